@@ -1,0 +1,292 @@
+"""The only module that touches transformers internals.
+
+Everything version-sensitive lives here: how decoder layers and attention modules
+are found, how the prefill is captured, how a compressed cache is assembled, and the
+route-aware attention functions that make per-layer cache lengths work under sdpa
+and eager attention.
+
+Why route-aware attention is needed: transformers (5.2) builds *one* attention mask
+per forward from layer 0's cache length and hands it to every layer. When layers keep
+different numbers of tokens, every other layer crashes ("The size of tensor a (...)
+must match ..."). We register two attention functions through transformers'
+``AttentionInterface`` ("learnroute_sdpa", "learnroute_eager"). They pass straight
+through to the stock function when the mask fits the layer's keys (bit-identical
+results), and otherwise rebuild the causal mask for this layer, aligned to the end of
+its keys (new tokens are always the last ``q`` keys). The same functions apply optional
+per-(layer, head) additive biases on the cached context keys; see
+:func:`attention_bias`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import AttentionInterface, DynamicCache, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
+from transformers.models.llama.modeling_llama import rotate_half
+
+ROUTED_PREFIX = "learnroute_"
+_BIAS_ATTR = "_learnroute_bias"
+
+# Architectures kvpress 0.5.5 supports (its SUPPORTED_MODELS); model_type names.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "gemma3_text")
+
+
+# --------------------------------------------------------------------------- model access
+
+
+def language_model(model: PreTrainedModel) -> nn.Module:
+    """The decoder stack (``model.model`` or its ``language_model`` for multimodal wrappers)."""
+    inner = model.model
+    return inner.language_model if hasattr(inner, "language_model") else inner
+
+
+def attention_modules(model: PreTrainedModel) -> list[nn.Module]:
+    """Self-attention module of every decoder layer, in layer order."""
+    return [layer.self_attn for layer in language_model(model).layers]
+
+
+def text_config(model: PreTrainedModel):
+    """The text config (the model's own, or ``text_config`` for multimodal wrappers)."""
+    cfg = model.config
+    return getattr(cfg, "text_config", cfg)
+
+
+def model_type(model: PreTrainedModel) -> str:
+    return str(getattr(model.config, "model_type", type(model).__name__))
+
+
+def max_positions(model: PreTrainedModel) -> int:
+    return int(getattr(text_config(model), "max_position_embeddings", 2**31 - 1))
+
+
+def eos_token_ids(model: PreTrainedModel) -> list[int]:
+    eos = model.generation_config.eos_token_id
+    if eos is None:
+        return []
+    return list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` (B, H, t, d) with RoPE tables ``cos``/``sin`` (B, t, d)."""
+    return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
+
+
+# --------------------------------------------------------------------------- prefill capture
+
+
+@dataclass
+class LayerCapture:
+    """What the scorers need from one layer after a full-cache prefill.
+
+    ``hidden_states`` is the attention input (after the layer norm), ``keys`` carry RoPE,
+    exactly what kvpress hands its presses.
+    """
+
+    module: nn.Module
+    hidden_states: torch.Tensor  # (B, n, D)
+    keys: torch.Tensor  # (B, H_kv, n, d)
+    values: torch.Tensor  # (B, H_kv, n, d)
+    position_embeddings: tuple[torch.Tensor, torch.Tensor]  # cos, sin: (B, n, d) each
+
+
+@torch.no_grad()
+def capture_prefill(model: PreTrainedModel, input_ids: torch.Tensor) -> list[LayerCapture]:
+    """Run one full-cache forward over ``input_ids`` (B, n) and capture every layer."""
+    modules = attention_modules(model)
+    inputs: dict[int, tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def hook(module, args, kwargs):
+        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        inputs[module.layer_idx] = (hidden, kwargs["position_embeddings"])
+
+    cache = DynamicCache(config=model.config)
+    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in modules]
+    try:
+        # The decoder stack without the LM head: the prefill's logits are never needed.
+        language_model(model)(input_ids=input_ids, past_key_values=cache, use_cache=True)
+    finally:
+        for h in handles:
+            h.remove()
+    captures = []
+    for i, module in enumerate(modules):
+        hidden, pos = inputs[i]
+        layer = cache.layers[i]
+        captures.append(LayerCapture(module, hidden, layer.keys, layer.values, pos))
+    return captures
+
+
+def build_cache(model: PreTrainedModel, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
+    """A DynamicCache holding the given per-layer keys/values, each (B, H_kv, n_l, d)."""
+    cache = DynamicCache(config=model.config)
+    for layer_idx, (k, v) in enumerate(kv):
+        cache.update(k, v, layer_idx)
+    return cache
+
+
+def cache_lengths(cache: DynamicCache) -> list[int]:
+    return [int(layer.keys.shape[-2]) for layer in cache.layers]
+
+
+def truncate_cache(cache: DynamicCache, lengths: list[int]) -> None:
+    """Drop what decoding appended, back to ``lengths`` tokens per layer."""
+    for layer, n in zip(cache.layers, lengths):
+        layer.keys = layer.keys[:, :, :n]
+        layer.values = layer.values[:, :, :n]
+
+
+@contextlib.contextmanager
+def rotary_on_attention(model: PreTrainedModel) -> Iterator[None]:
+    """Give every attention module a ``rotary_emb`` attribute for the scope.
+
+    Some kvpress scorers (ExpectedAttention) read ``module.rotary_emb``; kvpress sets it
+    inside its own press context. We set it only while scoring and remove it after.
+    """
+    lm = language_model(model)
+    added = []
+    try:
+        for m in attention_modules(model):
+            if not hasattr(m, "rotary_emb"):
+                m.rotary_emb = lm.rotary_emb
+                added.append(m)
+        yield
+    finally:
+        for m in added:
+            del m.rotary_emb
+
+
+# --------------------------------------------------------------------------- route-aware attention
+
+
+def _eager_function(module: nn.Module):
+    """The model's own eager attention (``eager_attention_forward`` of its modeling file)."""
+    fn = getattr(inspect.getmodule(type(module)), "eager_attention_forward", None)
+    if fn is None:
+        raise NotImplementedError(f"no eager attention found for {type(module).__name__}")
+    return fn
+
+
+def _layer_mask(
+    attention_mask: torch.Tensor | None, q: int, kv: int, query: torch.Tensor, bias: torch.Tensor | None, eager: bool
+) -> torch.Tensor | None:
+    """The mask for a layer with ``kv`` keys whose last ``q`` are the current queries."""
+    if attention_mask is not None and attention_mask.shape[-1] != kv:
+        # The stock mask was built for layer 0's length. Padding cannot be mapped onto a
+        # compressed cache, so refuse it rather than attend to the wrong keys.
+        past0 = attention_mask.shape[-1] - q
+        ctx = attention_mask[..., :past0]
+        blocked = ~ctx if ctx.dtype == torch.bool else ctx < 0
+        if past0 > 0 and bool(blocked.any()):
+            raise ValueError("padded batches are not supported with per-layer cache lengths")
+        attention_mask = None
+    if attention_mask is None and bias is None and (q == 1 or q == kv) and not eager:
+        return None  # sdpa: no mask (q == 1) or is_causal (q == kv), as stock transformers does
+    if attention_mask is None:
+        # Key j is visible to query i iff j <= kv - q + i (new tokens are the last q keys).
+        i = torch.arange(q, device=query.device).unsqueeze(1)
+        j = torch.arange(kv, device=query.device).unsqueeze(0)
+        allowed = (j <= kv - q + i)[None, None]  # (1, 1, q, kv)
+        attention_mask = allowed
+    if bias is None:
+        if eager and attention_mask.dtype == torch.bool:
+            return torch.zeros_like(attention_mask, dtype=query.dtype).masked_fill(
+                ~attention_mask, torch.finfo(query.dtype).min
+            )
+        return attention_mask
+    # Additive bias on the first n_ctx keys (the cached context), for every query.
+    if attention_mask.dtype == torch.bool:
+        attention_mask = torch.zeros_like(attention_mask, dtype=query.dtype).masked_fill(
+            ~attention_mask, torch.finfo(query.dtype).min
+        )
+    b, h, n_ctx = bias.shape
+    h_q = query.shape[1]
+    if h != h_q:  # per KV head -> per query head: (B, H_kv, n) -> (B, H_q, n)
+        bias = bias.repeat_interleave(h_q // h, dim=1)
+    full = attention_mask.expand(query.shape[0], h_q, q, kv).clone()  # (B, H_q, q, kv)
+    full[..., :n_ctx] = full[..., :n_ctx] + bias.unsqueeze(2).to(full.dtype)
+    return full
+
+
+def _routed(eager: bool):
+    def attention(module, query, key, value, attention_mask, dropout=0.0, **kwargs):
+        q, kv = query.shape[2], key.shape[2]
+        bias = getattr(module, _BIAS_ATTR, None)
+        if bias is not None or (attention_mask is not None and attention_mask.shape[-1] != kv) or (
+            attention_mask is None and eager
+        ):
+            attention_mask = _layer_mask(attention_mask, q, kv, query, bias, eager)
+        if eager:
+            return _eager_function(module)(module, query, key, value, attention_mask, dropout=dropout, **kwargs)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, **kwargs)
+
+    return attention
+
+
+AttentionInterface.register(ROUTED_PREFIX + "sdpa", _routed(eager=False))
+AttentionInterface.register(ROUTED_PREFIX + "eager", _routed(eager=True))
+AttentionMaskInterface.register(ROUTED_PREFIX + "sdpa", sdpa_mask)
+AttentionMaskInterface.register(ROUTED_PREFIX + "eager", eager_mask)
+
+
+def attn_implementation(model: PreTrainedModel) -> str:
+    return str(text_config(model)._attn_implementation)
+
+
+def _set_attn(model: PreTrainedModel, name: str) -> None:
+    model.config._attn_implementation = name
+    cfg = text_config(model)
+    if cfg is not model.config:
+        cfg._attn_implementation = name
+
+
+def is_routed(model: PreTrainedModel) -> bool:
+    return attn_implementation(model).startswith(ROUTED_PREFIX)
+
+
+@contextlib.contextmanager
+def routed_attention(model: PreTrainedModel) -> Iterator[PreTrainedModel]:
+    """Let ``model`` run with per-layer cache lengths (sdpa or eager) inside the scope.
+
+    Switches the model to the route-aware variant of its attention implementation and
+    restores the original one on exit. Identical to the stock function whenever every
+    layer's cache has the same length.
+    """
+    original = attn_implementation(model)
+    if original.startswith(ROUTED_PREFIX):
+        yield model
+        return
+    if original not in ("sdpa", "eager"):
+        raise ValueError(
+            f"per-layer cache lengths need attn_implementation 'sdpa' or 'eager', got {original!r}"
+        )
+    try:
+        _set_attn(model, ROUTED_PREFIX + original)
+        yield model
+    finally:
+        _set_attn(model, original)
+
+
+@contextlib.contextmanager
+def attention_bias(model: PreTrainedModel, biases: dict[int, torch.Tensor]) -> Iterator[None]:
+    """Add ``biases[layer]`` (B, H_kv or H_q, n_ctx) to the logits of the first n_ctx keys.
+
+    Applies to every query of every forward inside the scope (decode-time queries come
+    after the compression point). Used by learned gates (soft masks ``log(m + eps)``)
+    and to check that masking a token equals evicting it.
+    """
+    modules = attention_modules(model)
+    try:
+        for layer_idx, bias in biases.items():
+            setattr(modules[layer_idx], _BIAS_ATTR, bias)
+        with routed_attention(model):
+            yield
+    finally:
+        for m in modules:
+            if hasattr(m, _BIAS_ATTR):
+                delattr(m, _BIAS_ATTR)

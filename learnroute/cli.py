@@ -1,0 +1,42 @@
+"""``learnroute`` console script: parses and dispatches only; the logic lives in the package."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+from learnroute import __version__
+
+# verb -> (help, "module:function"); each function takes argv and returns an exit code.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("answer a long-context question with the full cache and three routes", "learnroute.demo:main"),
+    "show": ("print a route file as a per-layer table", "learnroute.route_cli:show"),
+}
+
+
+def _load(target: str) -> Callable[[list[str]], int]:
+    module, func = target.split(":")
+    return getattr(__import__(module, fromlist=[func]), func)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; ``argv`` defaults to ``sys.argv[1:]`` so tests call it in-process."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(
+        prog="learnroute",
+        description="Layer-wise routing of KV-cache eviction methods in HuggingFace LLMs.",
+    )
+    parser.add_argument("--version", action="version", version=f"learnroute {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (help_text, _) in COMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    args, rest = parser.parse_known_args(argv[:1])
+    if args.command is None:
+        parser.print_help()
+        return 0 if not argv else 2
+    return int(_load(COMMANDS[args.command][1])(argv[1:]) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,288 @@
+"""The one inference engine every route runs through.
+
+Per sample: one full-cache prefill of the context that captures what the scorers need
+per layer; scores for every method from that capture; then, for each route, a physically
+compressed cache (layers keep different token counts) and greedy decoding of the
+question with the original positions. Routes whose per-layer kept counts agree decode
+together as one batch, so R routes cost one prefill plus about R / batch decodes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from learnroute import _hf
+from learnroute.methods.base import Method, keep_indices, resolve_budget
+from learnroute.methods.registry import get_method
+from learnroute.route import Route
+
+
+@dataclass
+class Prompt:
+    """Token ids of one sample, split at the compression point."""
+
+    context_ids: torch.Tensor  # (1, n): what the prefill sees (and compression cuts)
+    question_ids: torch.Tensor  # (1, q): decoded after compression, positions n..n+q-1
+
+
+def build_prompt(
+    tokenizer: PreTrainedTokenizerBase,
+    context: str,
+    question: str,
+    answer_prefix: str = "",
+    query_aware: bool = False,
+) -> Prompt:
+    """Tokenize like kvpress's ``kv-press-text-generation`` pipeline.
+
+    With a chat template, context and question form one user turn; the context part
+    (template prefix + context) is prefilled, the rest (question, end of turn, assistant
+    header, answer prefix) is decoded after compression. Query-aware puts the question
+    in the prefill too, so scoring windows see it (SnapKV/PyramidKV harnesses).
+    """
+    if query_aware:
+        context, question = context + question, ""
+    if tokenizer.chat_template is None:
+        context = (tokenizer.bos_token or "") + context
+        suffix = "\n"
+    else:
+        separator = "#" * (len(context) + 10)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": context + separator}], add_generation_prompt=True, tokenize=False
+        )
+        context, suffix = text.split(separator)
+    question = question + suffix + answer_prefix
+    ctx = tokenizer.encode(context, return_tensors="pt", add_special_tokens=False)  # (1, n)
+    qst = tokenizer.encode(question, return_tensors="pt", add_special_tokens=False)  # (1, q)
+    return Prompt(ctx, qst)
+
+
+@dataclass
+class Prefill:
+    """One sample after its full-cache prefill: captures plus lazily computed scores."""
+
+    prompt: Prompt
+    layers: list[_hf.LayerCapture]
+    seconds: float
+    _scores: dict[tuple[int, str, int | None], torch.Tensor] = field(default_factory=dict)
+    _indices: dict[tuple[int, str, int], torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.prompt.context_ids.shape[1])
+
+
+@dataclass
+class RouteResult:
+    """What one route produced on one sample."""
+
+    route: Route
+    answer: str
+    token_ids: list[int]
+    kept_per_layer: list[int]  # tokens kept per KV head, per layer
+    kv_bytes: int  # bytes of keys + values kept for the context
+    full_kv_bytes: int
+    first_logits: torch.Tensor | None = None  # (vocab,) logits of the first answer token
+    seconds: float = 0.0  # this route's share of the batched decode
+
+    @property
+    def kv_fraction(self) -> float:
+        return self.kv_bytes / self.full_kv_bytes
+
+
+class Engine:
+    """Prefill once, score all methods, compress to any route, decode in batches.
+
+    Parameters: ``max_new_tokens`` caps each answer; ``query_aware`` puts the question in
+    the prefill; ``max_batch`` caps how many same-shape routes decode together;
+    ``method_options`` passes constructor arguments per method name
+    (e.g. ``{"snapkv": {"window_size": 32}}``).
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        max_new_tokens: int = 50,
+        query_aware: bool = False,
+        max_batch: int = 32,
+        method_options: dict[str, dict] | None = None,
+    ) -> None:
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_new_tokens = max_new_tokens
+        self.query_aware = query_aware
+        self.max_batch = max_batch
+        self.method_options = method_options or {}
+        self._methods: dict[str, Method] = {}
+        self.n_layers = len(_hf.attention_modules(model))
+
+    # ------------------------------------------------------------------ set-up
+
+    def method(self, name: str) -> Method:
+        if name not in self._methods:
+            self._methods[name] = get_method(name, **self.method_options.get(name, {}))
+        return self._methods[name]
+
+    def check_routes(self, routes: list[Route], n_tokens: int | None = None) -> None:
+        """Validate routes against the model (and a context length) before any forward."""
+        if not routes:
+            raise ValueError("no routes to evaluate")
+        for route in routes:
+            route.check_layers(self.n_layers)
+            if n_tokens is None:
+                continue
+            for name in set(route.methods):
+                need = self.method(name).min_context()
+                if n_tokens < need:
+                    raise ValueError(f"method {name!r} needs a context of at least {need} tokens, got {n_tokens}")
+
+    def encode(self, context: str, question: str, answer_prefix: str = "") -> Prompt:
+        """Tokenize one sample and check it fits the model, before any forward."""
+        if not context or not context.strip():
+            raise ValueError("empty context: there is nothing to prefill or compress")
+        prompt = build_prompt(self.tokenizer, context, question, answer_prefix, self.query_aware)
+        total = prompt.context_ids.shape[1] + prompt.question_ids.shape[1] + self.max_new_tokens
+        limit = _hf.max_positions(self.model)
+        if total > limit:
+            raise ValueError(
+                f"context ({prompt.context_ids.shape[1]} tokens) + question ({prompt.question_ids.shape[1]}) "
+                f"+ max_new_tokens ({self.max_new_tokens}) = {total} exceeds the model's maximum position {limit}"
+            )
+        if prompt.question_ids.shape[1] == 0:
+            raise ValueError("the question part is empty: nothing to decode from")
+        return prompt
+
+    # ------------------------------------------------------------------ prefill and scores
+
+    def prefill(self, prompt: Prompt) -> Prefill:
+        """One full-cache forward over the context, capturing every layer."""
+        start = time.perf_counter()
+        layers = _hf.capture_prefill(self.model, prompt.context_ids)
+        return Prefill(prompt, layers, time.perf_counter() - start)
+
+    @torch.no_grad()
+    def scores(self, prefill: Prefill, layer: int, method: str, n_kept: int | None = None) -> torch.Tensor:
+        """Scores (1, H_kv, n) of ``method`` at ``layer`` (cached per prefill)."""
+        m = self.method(method)
+        key = (layer, method, n_kept if m.budget_dependent else None)
+        if key not in prefill._scores:
+            with _hf.rotary_on_attention(self.model):
+                prefill._scores[key] = m.score(prefill.layers[layer], n_kept).float()
+        return prefill._scores[key]
+
+    def kept_indices(self, prefill: Prefill, layer: int, method: str, n_kept: int) -> torch.Tensor:
+        """Positions (1, H_kv, n_kept) kept by ``method`` at ``layer`` (cached per prefill)."""
+        n = prefill.n_tokens
+        if self.method(method).keeps_all:
+            n_kept = n
+        key = (layer, method, n_kept)
+        if key not in prefill._indices:
+            if n_kept >= n:
+                ref = prefill.layers[layer].keys
+                idx = torch.arange(n).expand(ref.shape[0], ref.shape[1], n)  # (1, H_kv, n)
+            else:
+                idx = keep_indices(self.scores(prefill, layer, method, n_kept), n_kept)
+            prefill._indices[key] = idx
+        return prefill._indices[key]
+
+    def kept_counts(self, route: Route, n_tokens: int) -> list[int]:
+        """Tokens kept per KV head in each layer for a context of ``n_tokens``."""
+        return [
+            n_tokens if self.method(e.method).keeps_all else resolve_budget(e.budget, n_tokens)
+            for e in route.layers
+        ]
+
+    def compress(self, prefill: Prefill, routes: list[Route]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer kept keys/values for a batch of same-shape routes: (R, H_kv, k_l, d) each."""
+        counts = [self.kept_counts(r, prefill.n_tokens) for r in routes]
+        kv = []
+        for layer, cap in enumerate(prefill.layers):
+            ks, vs = [], []
+            for route, kept in zip(routes, counts):
+                idx = self.kept_indices(prefill, layer, route.layers[layer].method, kept[layer])  # (1, H_kv, k)
+                idx = idx.unsqueeze(-1).expand(-1, -1, -1, cap.keys.shape[-1])  # (1, H_kv, k, d)
+                ks.append(cap.keys.gather(2, idx))
+                vs.append(cap.values.gather(2, idx))
+            kv.append((torch.cat(ks), torch.cat(vs)))  # (R, H_kv, k_l, d) each
+        return kv
+
+    # ------------------------------------------------------------------ decode
+
+    @torch.no_grad()
+    def _decode(self, cache, question_ids: torch.Tensor, n_ctx: int, n_rows: int):
+        """Greedy decoding for ``n_rows`` rows sharing one question; original positions."""
+        q = question_ids.shape[1]
+        ids = question_ids.expand(n_rows, q)  # (R, q)
+        pos = torch.arange(n_ctx, n_ctx + q).unsqueeze(0).expand(n_rows, q)  # (R, q)
+        eos = torch.tensor(_hf.eos_token_ids(self.model), dtype=torch.long)
+        with _hf.routed_attention(self.model):
+            out = self.model(input_ids=ids, past_key_values=cache, position_ids=pos, logits_to_keep=1)
+            logits = out.logits[:, -1].float()  # (R, vocab)
+            first_logits = logits
+            tokens = [logits.argmax(-1)]  # each (R,)
+            done = torch.isin(tokens[-1], eos)
+            next_pos = n_ctx + q
+            for _ in range(self.max_new_tokens - 1):
+                if bool(done.all()):
+                    break
+                step_pos = torch.full((n_rows, 1), next_pos, dtype=torch.long)  # (R, 1)
+                out = self.model(input_ids=tokens[-1].unsqueeze(1), past_key_values=cache, position_ids=step_pos)
+                tokens.append(out.logits[:, -1].argmax(-1))
+                done |= torch.isin(tokens[-1], eos)
+                next_pos += 1
+        gen = torch.stack(tokens, dim=1).tolist()  # (R, T)
+        eos_set = set(eos.tolist())
+        rows = []
+        for row in gen:
+            cut = next((i + 1 for i, t in enumerate(row) if t in eos_set), len(row))
+            rows.append(row[:cut])  # up to and including the first EOS, as kvpress does
+        return rows, first_logits
+
+    def answer(self, prefill: Prefill, routes: list[Route], keep_logits: bool = False) -> list[RouteResult]:
+        """Decode the question under every route; same-shape routes share a batch."""
+        self.check_routes(routes, prefill.n_tokens)
+        n = prefill.n_tokens
+        cap0 = prefill.layers[0]
+        per_token = 2 * cap0.keys.shape[1] * cap0.keys.shape[-1] * cap0.keys.element_size()
+        full_bytes = per_token * n * self.n_layers
+        groups: dict[tuple[int, ...], list[int]] = defaultdict(list)
+        for i, route in enumerate(routes):
+            groups[tuple(self.kept_counts(route, n))].append(i)
+        results: list[RouteResult | None] = [None] * len(routes)
+        for shape, members in groups.items():
+            for start in range(0, len(members), self.max_batch):
+                chunk = members[start : start + self.max_batch]
+                t0 = time.perf_counter()
+                cache = _hf.build_cache(self.model, self.compress(prefill, [routes[i] for i in chunk]))
+                rows, logits = self._decode(cache, prefill.prompt.question_ids, n, len(chunk))
+                share = (time.perf_counter() - t0) / len(chunk)
+                for j, (i, toks) in enumerate(zip(chunk, rows)):
+                    results[i] = RouteResult(
+                        route=routes[i],
+                        answer=self.tokenizer.decode(toks, skip_special_tokens=True),
+                        token_ids=toks,
+                        kept_per_layer=list(shape),
+                        kv_bytes=per_token * sum(shape),
+                        full_kv_bytes=full_bytes,
+                        first_logits=logits[j].clone() if keep_logits else None,
+                        seconds=share,
+                    )
+        return results  # type: ignore[return-value]
+
+    def run(
+        self, context: str, question: str, routes: list[Route], answer_prefix: str = "", keep_logits: bool = False
+    ) -> list[RouteResult]:
+        """Encode, validate, prefill once and answer under every route."""
+        prompt = self.encode(context, question, answer_prefix)
+        self.check_routes(routes, prompt.context_ids.shape[1])
+        return self.answer(self.prefill(prompt), routes, keep_logits=keep_logits)

@@ -1,0 +1,20 @@
+"""Candidate eviction methods (per-layer scorers) and budget allocators.
+
+A method scores one layer's cached context tokens: ``(B, H_kv, n)``, higher = keep.
+Budget allocation across layers is a separate axis (:mod:`learnroute.methods.budgets`).
+"""
+
+from learnroute.methods.base import Method, keep_indices, resolve_budget
+from learnroute.methods.budgets import ALLOCATORS, allocate
+from learnroute.methods.registry import METHODS, get_method, method_names
+
+__all__ = [
+    "ALLOCATORS",
+    "METHODS",
+    "Method",
+    "allocate",
+    "get_method",
+    "keep_indices",
+    "method_names",
+    "resolve_budget",
+]

@@ -1,0 +1,220 @@
+"""Route: per layer, which method scores the cache and how many tokens per KV head it keeps.
+
+JSON form (``schema`` ``learnroute.route/1``)::
+
+    {"schema": "learnroute.route/1", "model": "SmolLM2-135M-Instruct", "n_layers": 30,
+     "layers": [{"layer": 0, "method": "snapkv", "budget": 128}, ...],
+     "provenance": {"source": "homogeneous", ...}}
+
+A budget is an int >= 1 (tokens per KV head) or a float in (0, 1] (fraction of the
+context, resolved per sample).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from learnroute.methods.budgets import allocate
+from learnroute.methods.registry import METHODS
+
+SCHEMA = "learnroute.route/1"
+Budget = int | float
+
+
+class RouteError(ValueError):
+    """A malformed or inconsistent route (the message lists every problem)."""
+
+
+def _budget_problem(budget: Any) -> str | None:
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        return f"budget {budget!r} is neither an int >= 1 nor a float in (0, 1]"
+    if isinstance(budget, int) and budget < 1:
+        return f"budget {budget} must be >= 1 (tokens per KV head) or a float in (0, 1]"
+    if isinstance(budget, float) and not 0.0 < budget <= 1.0:
+        return f"budget {budget} as a fraction must be in (0, 1]"
+    return None
+
+
+@dataclass(frozen=True)
+class LayerRoute:
+    """One layer's entry: a registered method name and a budget."""
+
+    method: str
+    budget: Budget
+
+
+@dataclass
+class Route:
+    """Per-layer methods and budgets, plus where the route came from."""
+
+    layers: list[LayerRoute]
+    model: str | None = None
+    provenance: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not self.layers:
+            problems.append("a route needs at least one layer")
+        for i, entry in enumerate(self.layers):
+            if entry.method not in METHODS:
+                problems.append(f"layer {i}: unknown method {entry.method!r}; registered: {', '.join(METHODS)}")
+            if (p := _budget_problem(entry.budget)) is not None:
+                problems.append(f"layer {i}: {p}")
+        if problems:
+            raise RouteError("invalid route:\n  " + "\n  ".join(problems))
+
+    # ------------------------------------------------------------------ constructors
+
+    @classmethod
+    def homogeneous(cls, method: str, n_layers: int, budget: Budget, model: str | None = None) -> Route:
+        """The same method and budget in every layer."""
+        return cls.allocated(method, n_layers, budget, allocator="uniform", model=model)
+
+    @classmethod
+    def allocated(
+        cls, method: str, n_layers: int, budget: Budget, allocator: str = "uniform", model: str | None = None
+    ) -> Route:
+        """One method everywhere, per-layer budgets from an allocator (``uniform``, ``pyramid``)."""
+        budgets = allocate(allocator, n_layers, budget)
+        source = "homogeneous" if allocator == "uniform" else allocator
+        prov = {"source": source, "method": method, "budget": budget, "allocator": allocator}
+        return cls([LayerRoute(method, b) for b in budgets], model=model, provenance=prov)
+
+    @classmethod
+    def full(cls, n_layers: int, model: str | None = None) -> Route:
+        """The full cache (reference)."""
+        return cls([LayerRoute("full", 1.0)] * n_layers, model=model, provenance={"source": "full"})
+
+    @classmethod
+    def from_layers(
+        cls, methods: list[str], budgets: list[Budget] | Budget, model: str | None = None, **provenance: Any
+    ) -> Route:
+        """A mixed route from per-layer methods and budgets (one budget for all, or a list)."""
+        if not isinstance(budgets, list):
+            budgets = [budgets] * len(methods)
+        if len(budgets) != len(methods):
+            raise RouteError(f"{len(methods)} methods but {len(budgets)} budgets")
+        return cls([LayerRoute(m, b) for m, b in zip(methods, budgets)], model=model, provenance=provenance)
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def methods(self) -> list[str]:
+        return [entry.method for entry in self.layers]
+
+    @property
+    def budgets(self) -> list[Budget]:
+        return [entry.budget for entry in self.layers]
+
+    def method_counts(self) -> dict[str, int]:
+        return dict(Counter(self.methods))
+
+    def check_layers(self, n_layers: int, what: str = "the model") -> None:
+        """Refuse a route made for another layer count."""
+        if self.n_layers != n_layers:
+            where = f" (made for {self.model})" if self.model else ""
+            raise RouteError(f"route has {self.n_layers} layers{where} but {what} has {n_layers}")
+
+    def describe(self) -> str:
+        """A short human label, e.g. ``snapkv@128`` or ``mixed[snapkv:12,tova:18]``."""
+        counts = self.method_counts()
+        budgets = set(map(str, self.budgets))
+        b = budgets.pop() if len(budgets) == 1 else "var"
+        if len(counts) == 1:
+            return f"{self.methods[0]}@{b}"
+        inner = ",".join(f"{m}:{c}" for m, c in sorted(counts.items()))
+        return f"mixed[{inner}]@{b}"
+
+    # ------------------------------------------------------------------ JSON
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "model": self.model,
+            "n_layers": self.n_layers,
+            "layers": [{"layer": i, "method": e.method, "budget": e.budget} for i, e in enumerate(self.layers)],
+            "provenance": self.provenance,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Any) -> Route:
+        """Parse the JSON structure; every problem is reported in one error."""
+        if not isinstance(d, dict):
+            raise RouteError(f"a route must be a JSON object, got {type(d).__name__}")
+        problems = []
+        schema = d.get("schema", SCHEMA)
+        if schema != SCHEMA:
+            problems.append(f"unsupported schema {schema!r} (expected {SCHEMA!r})")
+        unknown = set(d) - {"schema", "model", "n_layers", "layers", "provenance"}
+        if unknown:
+            problems.append(f"unknown keys {sorted(unknown)}")
+        layers = d.get("layers")
+        if not isinstance(layers, list) or not layers:
+            problems.append("'layers' must be a non-empty list of {'method': ..., 'budget': ...}")
+            raise RouteError("invalid route:\n  " + "\n  ".join(problems))
+        n_layers = d.get("n_layers", len(layers))
+        if isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers < 1:
+            problems.append(f"'n_layers' must be a positive int, got {n_layers!r}")
+            n_layers = len(layers)
+        entries: dict[int, LayerRoute] = {}
+        for pos, item in enumerate(layers):
+            if not isinstance(item, dict) or "method" not in item or "budget" not in item:
+                problems.append(f"layers[{pos}] must be an object with 'method' and 'budget', got {item!r}")
+                continue
+            idx = item.get("layer", pos)
+            if isinstance(idx, bool) or not isinstance(idx, int) or not 0 <= idx < n_layers:
+                problems.append(f"layers[{pos}]: layer index {idx!r} outside 0..{n_layers - 1}")
+                continue
+            if idx in entries:
+                problems.append(f"layer {idx} appears more than once")
+                continue
+            method, budget = item["method"], item["budget"]
+            if method not in METHODS:
+                problems.append(f"layer {idx}: unknown method {method!r}; registered: {', '.join(METHODS)}")
+            if (p := _budget_problem(budget)) is not None:
+                problems.append(f"layer {idx}: {p}")
+            entries[idx] = LayerRoute(method, budget)
+        missing = [i for i in range(n_layers) if i not in entries]
+        if missing and not problems:
+            problems.append(f"missing layers {missing} (n_layers = {n_layers})")
+        provenance = d.get("provenance", {})
+        if not isinstance(provenance, dict):
+            problems.append("'provenance' must be an object")
+        if problems:
+            raise RouteError("invalid route:\n  " + "\n  ".join(problems))
+        return cls([entries[i] for i in range(n_layers)], model=d.get("model"), provenance=dict(provenance))
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> Route:
+        path = Path(path)
+        if not path.is_file():
+            raise RouteError(f"route file {path} does not exist")
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise RouteError(f"route file {path} is not valid JSON: {e}") from None
+        try:
+            return cls.from_dict(data)
+        except RouteError as e:
+            raise RouteError(f"{path}: {e}") from None
+
+    def to_file(self, path: str | os.PathLike) -> Path:
+        """Write the route as indented JSON (atomically: a crash never leaves half a file)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        with os.fdopen(fd, "w") as f:
+            json.dump(self.to_dict(), f, indent=2)
+            f.write("\n")
+        os.replace(tmp, path)
+        return path
