@@ -78,6 +78,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
 
 
+@contextlib.contextmanager
+def quiet_loading() -> Iterator[None]:
+    """Silence transformers' per-tensor progress bars while loading (restored after)."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
 # --------------------------------------------------------------------------- prefill capture
 
 

@@ -46,8 +46,9 @@ def _convert_default(target: Path) -> None:
     """Convert the bundled GGUF once to safetensors + tokenizer under ``target`` (atomic)."""
     gguf = default_gguf_path()
     logger.info("converting %s to %s (once)", gguf, target)
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    with _hf.quiet_loading():
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:
@@ -100,8 +101,9 @@ def load_model(
             raise FileNotFoundError(f"{source} is not a HF model folder (no config.json)")
     config = AutoConfig.from_pretrained(source)
     check_supported(config)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=attn_implementation)
-    tokenizer = AutoTokenizer.from_pretrained(source)
+    with _hf.quiet_loading():
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=attn_implementation)
+        tokenizer = AutoTokenizer.from_pretrained(source)
     model.eval()
     return model, tokenizer
 
