@@ -1,0 +1,165 @@
+import pytest
+import torch
+from transformers import DynamicCache
+
+import learnroute as lr
+from learnroute import Engine, Route
+from learnroute._hf import attention_bias, build_cache
+from tests.conftest import make_tiny
+
+MIXED = ["snapkv", "tova", "knorm", "h2o"]
+
+
+def mixed_route(n_layers=4):
+    return Route.from_layers(MIXED[:n_layers], [8, 40, 0.25, 100], source="test")
+
+
+def test_keep_everything_reproduces_full_cache_answer_and_logits(tiny, tokenizer, sample):
+    engine = Engine(tiny, tokenizer, max_new_tokens=8)
+    prompt = engine.encode(sample.context, sample.question, sample.answer_prefix)
+    routes = [Route.full(4), Route.homogeneous("snapkv", 4, 1.0), Route.homogeneous("knorm", 4, 10_000)]
+    results = engine.answer(engine.prefill(prompt), routes, keep_logits=True)
+    # Reference: plain transformers, the whole prompt in one forward, then greedy generate.
+    ids = torch.cat([prompt.context_ids, prompt.question_ids], dim=1)
+    with torch.no_grad():
+        ref_logits = tiny(ids).logits[0, -1]
+        ref = tiny.generate(ids, max_new_tokens=8, do_sample=False, attention_mask=torch.ones_like(ids))
+    ref_tokens = ref[0, ids.shape[1] :].tolist()
+    for r in results:
+        assert r.kv_bytes == r.full_kv_bytes and r.kv_fraction == 1.0
+        torch.testing.assert_close(r.first_logits, ref_logits, rtol=1e-4, atol=1e-4)
+        assert r.token_ids == ref_tokens[: len(r.token_ids)]
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_mixed_budgets_run_and_keep_exactly_the_route_bytes(tokenizer, sample, attn):
+    model = make_tiny(tokenizer, attn=attn)
+    engine = Engine(model, tokenizer, max_new_tokens=6)
+    route = mixed_route()
+    (res,) = engine.run(sample.context, sample.question, [route])
+    n = engine.encode(sample.context, sample.question).context_ids.shape[1]
+    expected_kept = [8, 40, int(n * 0.25), 100]
+    assert res.kept_per_layer == expected_kept
+    cfg = model.config
+    per_token = 2 * cfg.num_key_value_heads * cfg.head_dim * 4  # K and V, float32
+    assert res.kv_bytes == per_token * sum(expected_kept)
+    assert res.full_kv_bytes == per_token * n * 4
+    assert len(res.token_ids) >= 1
+    assert model.config._attn_implementation == attn  # restored after decoding
+
+
+def test_sdpa_and_eager_agree_on_mixed_routes(tokenizer, sample):
+    results = {}
+    for attn in ("sdpa", "eager"):
+        engine = Engine(make_tiny(tokenizer, attn=attn), tokenizer, max_new_tokens=6)
+        results[attn] = engine.run(sample.context, sample.question, [mixed_route()], keep_logits=True)[0]
+    torch.testing.assert_close(results["sdpa"].first_logits, results["eager"].first_logits, rtol=1e-4, atol=1e-4)
+    assert results["sdpa"].token_ids == results["eager"].token_ids
+
+
+def test_stock_attention_crashes_on_per_layer_lengths_and_ours_does_not(tiny):
+    """The bug we work around (background §6): one mask built from layer 0's length."""
+    kv = [(torch.randn(1, 2, n, 16), torch.randn(1, 2, n, 16)) for n in (5, 9, 7, 3)]
+    ids = torch.tensor([[1, 2, 3]])
+    pos = torch.tensor([[20, 21, 22]])
+    with pytest.raises(RuntimeError, match="size of tensor"):
+        with torch.no_grad():
+            tiny(input_ids=ids, past_key_values=build_cache(tiny, kv), position_ids=pos)
+    with torch.no_grad(), lr.routed_attention(tiny):
+        out = tiny(input_ids=ids, past_key_values=build_cache(tiny, kv), position_ids=pos)
+    assert torch.isfinite(out.logits).all()
+
+
+def test_batched_decoding_matches_one_route_at_a_time(tiny, tokenizer, sample):
+    routes = [Route.homogeneous(m, 4, 0.3) for m in ("snapkv", "tova", "knorm", "keydiff", "random")]
+    routes.append(mixed_route())
+    batched = Engine(tiny, tokenizer, max_new_tokens=6, max_batch=32).run(sample.context, sample.question, routes)
+    single = Engine(tiny, tokenizer, max_new_tokens=6, max_batch=1).run(sample.context, sample.question, routes)
+    assert [r.token_ids for r in batched] == [r.token_ids for r in single]
+
+
+def test_a_minus_infinity_bias_equals_evicting_the_token(tiny, tokenizer, sample):
+    """The per-(layer, head) bias hook: masking tokens must equal physically removing them."""
+    engine = Engine(tiny, tokenizer)
+    prompt = engine.encode(sample.context, sample.question)
+    pre = engine.prefill(prompt)
+    n = pre.n_tokens
+    route = Route.homogeneous("knorm", 4, n // 2)
+    kv = engine.compress(pre, [route])
+    kept = [engine.kept_indices(pre, layer, "knorm", n // 2) for layer in range(4)]  # (1, H_kv, k)
+    biases = {}
+    for layer in range(4):
+        bias = torch.full((1, 2, n), float("-inf"))
+        bias.scatter_(2, kept[layer], 0.0)
+        biases[layer] = bias
+    q = prompt.question_ids
+    pos = torch.arange(n, n + q.shape[1]).unsqueeze(0)
+    with torch.no_grad(), lr.routed_attention(tiny):
+        evicted = tiny(input_ids=q, past_key_values=build_cache(tiny, kv), position_ids=pos).logits
+    full_kv = [(c.keys, c.values) for c in pre.layers]
+    with torch.no_grad(), attention_bias(tiny, biases):
+        masked = tiny(input_ids=q, past_key_values=build_cache(tiny, full_kv), position_ids=pos).logits
+    torch.testing.assert_close(masked, evicted, rtol=1e-4, atol=1e-4)
+
+
+def test_query_aware_puts_the_question_in_the_prefill(tiny, tokenizer, sample):
+    agnostic = Engine(tiny, tokenizer).encode(sample.context, sample.question)
+    aware = Engine(tiny, tokenizer, query_aware=True).encode(sample.context, sample.question)
+    assert aware.context_ids.shape[1] > agnostic.context_ids.shape[1]
+    assert aware.question_ids.shape[1] < agnostic.question_ids.shape[1]
+    res = Engine(tiny, tokenizer, query_aware=True, max_new_tokens=4).run(
+        sample.context, sample.question, [Route.homogeneous("snapkv", 4, 64)]
+    )
+    assert res[0].kept_per_layer == [64] * 4
+
+
+class ForwardCounter:
+    def __init__(self, model):
+        self.calls = 0
+        self.handle = model.register_forward_pre_hook(self)
+
+    def __call__(self, *args):
+        self.calls += 1
+
+
+@pytest.mark.parametrize(
+    "context, route, match",
+    [
+        ("", Route.homogeneous("snapkv", 4, 8), "empty context"),
+        ("   \n", Route.homogeneous("snapkv", 4, 8), "empty context"),
+        ("word " * 5000, Route.homogeneous("snapkv", 4, 8), "exceeds the model's maximum position 4096"),
+        ("word " * 100, Route.homogeneous("snapkv", 30, 8), "route has 30 layers but the model has 4"),
+        ("word " * 20, Route.homogeneous("snapkv", 4, 8), "needs a context of at least 65 tokens"),
+    ],
+)
+def test_bad_input_fails_before_any_forward(tiny, tokenizer, context, route, match):
+    counter = ForwardCounter(tiny.model)
+    try:
+        with pytest.raises((ValueError, lr.RouteError), match=match):
+            Engine(tiny, tokenizer).run(context, "Question?", [route])
+    finally:
+        counter.handle.remove()
+    assert counter.calls == 0
+
+
+@pytest.mark.parametrize("budget", [0, -4])
+def test_non_positive_budgets_are_refused(budget):
+    with pytest.raises(lr.RouteError, match=">= 1"):
+        Route.homogeneous("tova", 4, budget)
+
+
+def test_unknown_method_is_refused():
+    with pytest.raises(lr.RouteError, match="unknown method 'snap-kv'"):
+        Route.from_layers(["snapkv", "snap-kv"], 8)
+
+
+def test_many_routes_share_one_prefill(tiny, tokenizer, sample):
+    counter = ForwardCounter(tiny.model)
+    try:
+        routes = [Route.homogeneous(m, 4, b) for m in ("snapkv", "tova", "knorm") for b in (16, 0.5)]
+        engine = Engine(tiny, tokenizer, max_new_tokens=1)
+        engine.run(sample.context, sample.question, routes)
+    finally:
+        counter.handle.remove()
+    # 1 prefill + one question forward per distinct cache shape (2 budgets); no re-prefill
+    assert counter.calls == 1 + 2
