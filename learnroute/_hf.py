@@ -144,15 +144,9 @@ def build_cache(model: PreTrainedModel, kv: list[tuple[torch.Tensor, torch.Tenso
     return cache
 
 
-def cache_lengths(cache: DynamicCache) -> list[int]:
-    return [int(layer.keys.shape[-2]) for layer in cache.layers]
-
-
-def truncate_cache(cache: DynamicCache, lengths: list[int]) -> None:
-    """Drop what decoding appended, back to ``lengths`` tokens per layer."""
-    for layer, n in zip(cache.layers, lengths):
-        layer.keys = layer.keys[:, :, :n]
-        layer.values = layer.values[:, :, :n]
+def keep_rows(cache: DynamicCache, rows: torch.Tensor) -> None:
+    """Keep only batch ``rows`` of every layer's cache (finished routes leave the batch)."""
+    cache.batch_select_indices(rows)
 
 
 @contextlib.contextmanager

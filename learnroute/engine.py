@@ -220,32 +220,35 @@ class Engine:
 
     @torch.no_grad()
     def _decode(self, cache, question_ids: torch.Tensor, n_ctx: int, n_rows: int):
-        """Greedy decoding for ``n_rows`` rows sharing one question; original positions."""
+        """Greedy decoding for ``n_rows`` rows sharing one question; original positions.
+
+        Rows that have produced EOS leave the batch (their cache rows are dropped), so a
+        batch costs what its unfinished rows cost.
+        """
         q = question_ids.shape[1]
         ids = question_ids.expand(n_rows, q)  # (R, q)
         pos = torch.arange(n_ctx, n_ctx + q).unsqueeze(0).expand(n_rows, q)  # (R, q)
         eos = torch.tensor(_hf.eos_token_ids(self.model), dtype=torch.long)
+        rows: list[list[int]] = [[] for _ in range(n_rows)]
+        alive = torch.arange(n_rows)  # original row of each batch row
         with _hf.routed_attention(self.model):
             out = self.model(input_ids=ids, past_key_values=cache, position_ids=pos, logits_to_keep=1)
-            logits = out.logits[:, -1].float()  # (R, vocab)
-            first_logits = logits
-            tokens = [logits.argmax(-1)]  # each (R,)
-            done = torch.isin(tokens[-1], eos)
+            first_logits = out.logits[:, -1].float()  # (R, vocab)
+            nxt = first_logits.argmax(-1)  # (R,)
             next_pos = n_ctx + q
-            for _ in range(self.max_new_tokens - 1):
-                if bool(done.all()):
+            for step in range(self.max_new_tokens):
+                for row, tok in zip(alive.tolist(), nxt.tolist()):
+                    rows[row].append(tok)  # up to and including EOS, as kvpress does
+                keep = ~torch.isin(nxt, eos)  # (R_alive,)
+                if step == self.max_new_tokens - 1 or not bool(keep.any()):
                     break
-                step_pos = torch.full((n_rows, 1), next_pos, dtype=torch.long)  # (R, 1)
-                out = self.model(input_ids=tokens[-1].unsqueeze(1), past_key_values=cache, position_ids=step_pos)
-                tokens.append(out.logits[:, -1].argmax(-1))
-                done |= torch.isin(tokens[-1], eos)
+                if not bool(keep.all()):
+                    _hf.keep_rows(cache, keep.nonzero().squeeze(1))
+                    alive, nxt = alive[keep], nxt[keep]
+                step_pos = torch.full((len(alive), 1), next_pos, dtype=torch.long)  # (R_alive, 1)
+                out = self.model(input_ids=nxt.unsqueeze(1), past_key_values=cache, position_ids=step_pos)
+                nxt = out.logits[:, -1].argmax(-1)
                 next_pos += 1
-        gen = torch.stack(tokens, dim=1).tolist()  # (R, T)
-        eos_set = set(eos.tolist())
-        rows = []
-        for row in gen:
-            cut = next((i + 1 for i, t in enumerate(row) if t in eos_set), len(row))
-            rows.append(row[:cut])  # up to and including the first EOS, as kvpress does
         return rows, first_logits
 
     def answer(self, prefill: Prefill, routes: list[Route], keep_logits: bool = False) -> list[RouteResult]:

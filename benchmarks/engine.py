@@ -1,0 +1,179 @@
+"""Engine vs kvpress's pipeline, one process, same model, same sample.
+
+Default model, one ~2k-token needle sample, R routes at one budget (tokens per KV head):
+10 homogeneous (every candidate method) + mixed routes. The engine evaluates all R
+routes from one prefill; the baseline runs kvpress's ``kv-press-text-generation``
+pipeline once per route (kvpress's own press where it has one, RoutedPress otherwise).
+
+    .venv/bin/python benchmarks/engine.py                    # 12 routes
+    .venv/bin/python benchmarks/engine.py --routes 100       # 100 routes (baseline sampled)
+
+Peak memory is the process's peak RSS during the timed work above the RSS after loading
+the model (VmHWM reset through /proc/self/clear_refs), each side in a fresh subprocess.
+Both sides get one warm-up forward first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import random
+import resource
+import time
+
+CANDIDATES = ["snapkv", "streaming_llm", "h2o", "tova", "knorm",
+              "expected_attention", "keydiff", "critical_snapkv", "lava", "random"]
+
+
+def rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def reset_peak() -> None:
+    """Reset the kernel's peak-RSS mark (VmHWM) so the peak covers the timed work only."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def peak_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def make_routes(n_routes: int, budget: int, n_layers: int, seed: int):
+    from learnroute import Route
+
+    routes = [Route.homogeneous(m, n_layers, budget) for m in CANDIDATES]
+    rng = random.Random(seed)
+    while len(routes) < n_routes:
+        methods = [rng.choice(CANDIDATES) for _ in range(n_layers)]
+        routes.append(Route.from_layers(methods, budget, source="random", seed=seed))
+    return routes[:n_routes]
+
+
+def kvpress_press(route, n_tokens: int):
+    """kvpress's own press for homogeneous kvpress-backed routes, else RoutedPress."""
+    import kvpress
+
+    from learnroute import RoutedPress
+
+    methods = set(route.methods)
+    budget = route.budgets[0]
+    ratio = 1 - (budget + 0.5) / n_tokens  # kvpress keeps int(n * (1 - ratio)) = budget
+    own = {
+        "snapkv": lambda: kvpress.SnapKVPress(compression_ratio=ratio),
+        "tova": lambda: kvpress.TOVAPress(compression_ratio=ratio),
+        "knorm": lambda: kvpress.KnormPress(compression_ratio=ratio),
+        "expected_attention": lambda: kvpress.ExpectedAttentionPress(compression_ratio=ratio),
+        "keydiff": lambda: kvpress.KeyDiffPress(compression_ratio=ratio),
+        "streaming_llm": lambda: kvpress.StreamingLLMPress(compression_ratio=ratio),
+    }
+    if len(methods) == 1 and (m := methods.pop()) in own:
+        return own[m](), True
+    if route.methods[0] == "critical_snapkv" and len(set(route.methods)) == 1:
+        press = kvpress.CriticalKVPress(kvpress.SnapKVPress())
+        press.compression_ratio = ratio
+        return press, True
+    return RoutedPress(route), False
+
+
+def side(which: str, n_routes: int, budget: int, tokens: int, max_new: int, sample_baseline: int, q):
+    import torch
+
+    import learnroute as lr
+    from learnroute.demo import needle_sample
+
+    torch.set_num_threads(2)
+    model, tok = lr.load_model()
+    sample = needle_sample(tok, tokens, depth=0.5, seed=0)
+    routes = make_routes(n_routes, budget, 30, seed=0)
+    # Warm-up forward (thread pools, allocator) so neither side pays a cold start.
+    with torch.no_grad():
+        model(torch.tensor([tok.encode(sample.context)[:256]]))
+    base_rss = rss_mib()
+    reset_peak()
+    out = {"which": which}
+    if which == "engine":
+        engine = lr.Engine(model, tok, max_new_tokens=max_new)
+        t0 = time.perf_counter()
+        prompt = engine.encode(sample.context, sample.question, sample.answer_prefix)
+        engine.check_routes(routes, prompt.context_ids.shape[1])
+        pre = engine.prefill(prompt)
+        t1 = time.perf_counter()
+        results = engine.answer(pre, routes)
+        t2 = time.perf_counter()
+        out.update(seconds=t2 - t0, prefill=t1 - t0, n_tokens=pre.n_tokens,
+                   answers=[r.answer for r in results], kv_fraction=results[0].kv_fraction)
+    else:
+        from transformers import pipeline
+
+        pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tok, device="cpu")
+        n_tokens = lr.Engine(model, tok).encode(sample.context, sample.question).context_ids.shape[1]
+        idx = list(range(len(routes)))
+        if sample_baseline and sample_baseline < len(routes):
+            idx = sorted(random.Random(1).sample(idx, sample_baseline))
+        answers, own, times = {}, {}, []
+        for i in idx:
+            press, is_own = kvpress_press(routes[i], n_tokens)
+            t0 = time.perf_counter()
+            with lr.routed_attention(model):  # only matters for RoutedPress with per-layer budgets
+                ans = pipe(sample.context, question=sample.question, answer_prefix=sample.answer_prefix,
+                           press=press, max_new_tokens=max_new)["answer"]
+            times.append(time.perf_counter() - t0)
+            answers[i], own[i] = ans, is_own
+        per_route = sum(times) / len(times)
+        out.update(seconds=per_route * len(routes), measured=len(idx), per_route=per_route,
+                   answers=answers, own=own)
+    out["peak_mib"] = peak_mib() - base_rss
+    q.put(out)
+
+
+def run_side(*args):
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=side, args=(*args, q))
+    p.start()
+    res = q.get()
+    p.join()
+    return res
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--routes", type=int, default=12)
+    parser.add_argument("--budget", type=int, default=256, help="tokens per KV head, every layer")
+    parser.add_argument("--tokens", type=int, default=2000, help="context length")
+    parser.add_argument("--max-new-tokens", type=int, default=12)
+    parser.add_argument("--sample-baseline", type=int, default=0,
+                        help="time kvpress on this many routes only and extrapolate (0: all)")
+    parser.add_argument("--json", default=None, help="also write the figures here")
+    args = parser.parse_args()
+    common = (args.routes, args.budget, args.tokens, args.max_new_tokens, args.sample_baseline)
+    eng = run_side("engine", *common)
+    base = run_side("kvpress", *common)
+    same = [eng["answers"][i] == a for i, a in base["answers"].items() if base["own"][i]]
+    report = {
+        "routes": args.routes, "budget": args.budget, "context_tokens": eng["n_tokens"],
+        "engine_s": round(eng["seconds"], 2), "engine_prefill_s": round(eng["prefill"], 2),
+        "kvpress_s": round(base["seconds"], 2), "kvpress_measured_routes": base["measured"],
+        "kvpress_per_route_s": round(base["per_route"], 2),
+        "speedup": round(base["seconds"] / eng["seconds"], 1),
+        "engine_peak_mib": round(eng["peak_mib"]), "kvpress_peak_mib": round(base["peak_mib"]),
+        "kvpress_backed_routes_identical": f"{sum(same)}/{len(same)}",
+    }
+    print(json.dumps(report, indent=2))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
