@@ -114,11 +114,16 @@ class LayerCapture:
 def capture_prefill(model: PreTrainedModel, input_ids: torch.Tensor) -> list[LayerCapture]:
     """Run one full-cache forward over ``input_ids`` (B, n) and capture every layer."""
     modules = attention_modules(model)
-    inputs: dict[int, tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]] = {}
+    b, n = input_ids.shape
+    # One preallocated buffer for every layer's attention input: retaining 30 separately
+    # allocated activations fragments the heap and measurably slows the prefill on CPU.
+    hidden_buf = torch.empty(len(modules), b, n, text_config(model).hidden_size, dtype=model.dtype)  # (L, B, n, D)
+    positions: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def hook(module, args, kwargs):
         hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-        inputs[module.layer_idx] = (hidden, kwargs["position_embeddings"])
+        hidden_buf[module.layer_idx].copy_(hidden)
+        positions[module.layer_idx] = kwargs["position_embeddings"]
 
     cache = DynamicCache(config=model.config)
     handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in modules]
@@ -130,9 +135,8 @@ def capture_prefill(model: PreTrainedModel, input_ids: torch.Tensor) -> list[Lay
             h.remove()
     captures = []
     for i, module in enumerate(modules):
-        hidden, pos = inputs[i]
         layer = cache.layers[i]
-        captures.append(LayerCapture(module, hidden, layer.keys, layer.values, pos))
+        captures.append(LayerCapture(module, hidden_buf[i], layer.keys, layer.values, positions[i]))
     return captures
 
 

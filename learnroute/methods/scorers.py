@@ -252,7 +252,7 @@ class LAVa(Method):
         s = s.view(b, h_kv, -1, n - w).amax(dim=2)  # (B, H_kv, n - w)
         v_scale = layer.values.abs().sum(dim=-1).amax(dim=-1, keepdim=True)  # (B, H_kv, 1)
         s = s * v_scale
-        return F.pad(s, (0, w), value=float(s.max()) + 1.0)  # (B, H_kv, n)
+        return F.pad(s, (0, w), value=float(s.detach().max()) + 1.0)  # (B, H_kv, n)
 
 
 @dataclass
