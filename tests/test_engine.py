@@ -1,6 +1,5 @@
 import pytest
 import torch
-from transformers import DynamicCache
 
 import learnroute as lr
 from learnroute import Engine, Route
