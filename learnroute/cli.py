@@ -12,6 +12,8 @@ from learnroute import __version__
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("answer a long-context question with the full cache and three routes", "learnroute.demo:main"),
     "show": ("print a route file as a per-layer table", "learnroute.route_cli:show"),
+    "bench": ("evaluate routes x budgets x tasks into a run folder", "learnroute.commands:bench"),
+    "report": ("rewrite (and re-score) a bench folder's summary and plot", "learnroute.commands:report"),
 }
 
 

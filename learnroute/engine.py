@@ -36,6 +36,7 @@ def build_prompt(
     question: str,
     answer_prefix: str = "",
     query_aware: bool = False,
+    chat: bool = True,
 ) -> Prompt:
     """Tokenize like kvpress's ``kv-press-text-generation`` pipeline.
 
@@ -43,10 +44,11 @@ def build_prompt(
     (template prefix + context) is prefilled, the rest (question, end of turn, assistant
     header, answer prefix) is decoded after compression. Query-aware puts the question
     in the prefill too, so scoring windows see it (SnapKV/PyramidKV harnesses).
+    ``chat=False`` skips the chat template (LongBench's few-shot and code tasks).
     """
     if query_aware:
         context, question = context + question, ""
-    if tokenizer.chat_template is None:
+    if tokenizer.chat_template is None or not chat:
         context = (tokenizer.bos_token or "") + context
         suffix = "\n"
     else:
@@ -146,17 +148,26 @@ class Engine:
                 if n_tokens < need:
                     raise ValueError(f"method {name!r} needs a context of at least {need} tokens, got {n_tokens}")
 
-    def encode(self, context: str, question: str, answer_prefix: str = "") -> Prompt:
+    def encode(
+        self,
+        context: str,
+        question: str,
+        answer_prefix: str = "",
+        *,
+        chat: bool = True,
+        max_new_tokens: int | None = None,
+    ) -> Prompt:
         """Tokenize one sample and check it fits the model, before any forward."""
         if not context or not context.strip():
             raise ValueError("empty context: there is nothing to prefill or compress")
-        prompt = build_prompt(self.tokenizer, context, question, answer_prefix, self.query_aware)
-        total = prompt.context_ids.shape[1] + prompt.question_ids.shape[1] + self.max_new_tokens
+        prompt = build_prompt(self.tokenizer, context, question, answer_prefix, self.query_aware, chat=chat)
+        max_new_tokens = max_new_tokens or self.max_new_tokens
+        total = prompt.context_ids.shape[1] + prompt.question_ids.shape[1] + max_new_tokens
         limit = _hf.max_positions(self.model)
         if total > limit:
             raise ValueError(
                 f"context ({prompt.context_ids.shape[1]} tokens) + question ({prompt.question_ids.shape[1]}) "
-                f"+ max_new_tokens ({self.max_new_tokens}) = {total} exceeds the model's maximum position {limit}"
+                f"+ max_new_tokens ({max_new_tokens}) = {total} exceeds the model's maximum position {limit}"
             )
         if prompt.question_ids.shape[1] == 0:
             raise ValueError("the question part is empty: nothing to decode from")
@@ -202,9 +213,14 @@ class Engine:
             for e in route.layers
         ]
 
-    def compress(self, prefill: Prefill, routes: list[Route]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per-layer kept keys/values for a batch of same-shape routes: (R, H_kv, k_l, d) each."""
-        counts = [self.kept_counts(r, prefill.n_tokens) for r in routes]
+    def compress(
+        self, prefill: Prefill, routes: list[Route], counts: list[list[int]] | None = None
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer kept keys/values for a batch of same-shape routes: (R, H_kv, k_l, d) each.
+
+        ``counts`` (per route, per layer) skips recomputing :meth:`kept_counts`.
+        """
+        counts = counts or [self.kept_counts(r, prefill.n_tokens) for r in routes]
         kv = []
         for layer, cap in enumerate(prefill.layers):
             ks, vs = [], []
@@ -219,7 +235,7 @@ class Engine:
     # ------------------------------------------------------------------ decode
 
     @torch.no_grad()
-    def _decode(self, cache, question_ids: torch.Tensor, n_ctx: int, n_rows: int):
+    def _decode(self, cache, question_ids: torch.Tensor, n_ctx: int, n_rows: int, max_new_tokens: int):
         """Greedy decoding for ``n_rows`` rows sharing one question; original positions.
 
         Rows that have produced EOS leave the batch (their cache rows are dropped), so a
@@ -236,11 +252,11 @@ class Engine:
             first_logits = out.logits[:, -1].float()  # (R, vocab)
             nxt = first_logits.argmax(-1)  # (R,)
             next_pos = n_ctx + q
-            for step in range(self.max_new_tokens):
+            for step in range(max_new_tokens):
                 for row, tok in zip(alive.tolist(), nxt.tolist()):
                     rows[row].append(tok)  # up to and including EOS, as kvpress does
                 keep = ~torch.isin(nxt, eos)  # (R_alive,)
-                if step == self.max_new_tokens - 1 or not bool(keep.any()):
+                if step == max_new_tokens - 1 or not bool(keep.any()):
                     break
                 if not bool(keep.all()):
                     _hf.keep_rows(cache, keep.nonzero().squeeze(1))
@@ -251,8 +267,13 @@ class Engine:
                 next_pos += 1
         return rows, first_logits
 
-    def answer(self, prefill: Prefill, routes: list[Route], keep_logits: bool = False) -> list[RouteResult]:
-        """Decode the question under every route; same-shape routes share a batch."""
+    def answer(
+        self, prefill: Prefill, routes: list[Route], keep_logits: bool = False, max_new_tokens: int | None = None
+    ) -> list[RouteResult]:
+        """Decode the question under every route; same-shape routes share a batch.
+
+        ``max_new_tokens`` overrides the engine's cap for this sample (per-task limits).
+        """
         self.check_routes(routes, prefill.n_tokens)
         n = prefill.n_tokens
         cap0 = prefill.layers[0]
@@ -266,8 +287,11 @@ class Engine:
             for start in range(0, len(members), self.max_batch):
                 chunk = members[start : start + self.max_batch]
                 t0 = time.perf_counter()
-                cache = _hf.build_cache(self.model, self.compress(prefill, [routes[i] for i in chunk]))
-                rows, logits = self._decode(cache, prefill.prompt.question_ids, n, len(chunk))
+                kv = self.compress(prefill, [routes[i] for i in chunk], [list(shape)] * len(chunk))
+                cache = _hf.build_cache(self.model, kv)
+                rows, logits = self._decode(
+                    cache, prefill.prompt.question_ids, n, len(chunk), max_new_tokens or self.max_new_tokens
+                )
                 share = (time.perf_counter() - t0) / len(chunk)
                 for j, (i, toks) in enumerate(zip(chunk, rows)):
                     results[i] = RouteResult(

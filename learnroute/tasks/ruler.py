@@ -323,6 +323,9 @@ TASKS: dict[str, Callable] = {
     "multihop_qa": multihop_qa,
 }
 METRIC = {"multihop_qa": "string_match_part"}
+# RULER's tokens_to_generate per task family (scripts/data/synthetic/constants.py).
+MAX_NEW_TOKENS = {"variable_tracking": 30, "common_words": 120, "frequent_words": 50, "multihop_qa": 32}
+NIAH_MAX_NEW_TOKENS = 128
 
 
 def make_sample(task: str, tokenizer, n_tokens: int, split: str, seed: int, index: int) -> Sample:
@@ -340,7 +343,11 @@ def make_sample(task: str, tokenizer, n_tokens: int, split: str, seed: int, inde
         answer_prefix=prefix,
         answers=answers,
         metric=METRIC.get(task, "string_match_all"),
-        meta={"n_tokens_target": n_tokens, **meta},
+        meta={
+            "n_tokens_target": n_tokens,
+            "max_new_tokens": MAX_NEW_TOKENS.get(task, NIAH_MAX_NEW_TOKENS),
+            **meta,
+        },
     )
 
 

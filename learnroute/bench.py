@@ -1,0 +1,435 @@
+"""``learnroute bench``: routes x budgets x tasks through the one engine, into a run folder.
+
+Per sample the engine prefills once and decodes every (route, budget) cell from that
+prefill. Results are appended to ``results.jsonl`` after each sample (one locked write
+per sample), so a killed run loses at most the sample in progress and a rerun of the same
+config skips the finished cells. Under ``torchrun`` / ``accelerate launch`` the samples are
+sharded across processes, which all append to the same folder.
+
+Run folder::
+
+    config.yaml      the resolved config          versions.json  library versions, git commit
+    samples.jsonl    every sample evaluated        results.jsonl  one row per task x sample x route x budget
+    summary.csv/.md  tables (learnroute.report)    plot.png       average score vs budget
+"""
+
+from __future__ import annotations
+
+import fcntl
+import glob
+import json
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from learnroute.config import ConfigError, to_dict
+from learnroute.methods.registry import METHODS
+from learnroute.route import Route, RouteError
+from learnroute.tasks.ruler import Sample
+from learnroute.tasks.suite import check_tasks, load_task
+
+Budget = int | float
+ROUTE_KINDS = ("full", "homogeneous:<method>", "pyramid:<method>", "<route file or glob>")
+# Fields that do not change any result: a rerun may change them and still resume.
+_RESUME_FREE = ("output", "wandb", "wandb_project", "max_batch")
+
+
+@dataclass
+class BenchConfig:
+    """What ``learnroute bench`` evaluates. Budgets are tokens per KV head (int) or
+    fractions of the context (float in (0, 1])."""
+
+    model: str | None = field(default=None, metadata={"help": "HF model folder or hub id; null = bundled SmolLM2"})
+    tasks: dict[str, int] = field(
+        default_factory=lambda: {"niah_single_2": 4},
+        metadata={"help": "task name -> number of eval samples (RULER-style names, or longbench/<dataset>)"},
+    )
+    context_tokens: int = field(
+        default=2048, metadata={"help": "context length of generated samples; LongBench truncation limit (tokens)"}
+    )
+    budgets: list[Budget] = field(default_factory=lambda: [0.25], metadata={"help": "budgets to evaluate"})
+    routes: list[str] = field(
+        default_factory=lambda: ["full", "homogeneous:snapkv"],
+        metadata={"help": "full | homogeneous:<method> | pyramid:<method> | route file | glob of route files"},
+    )
+    route_file_budgets: str = field(
+        default="scale",
+        metadata={
+            "help": "scale: route files keep their methods, their per-layer budget shape is rescaled to each "
+            "budget; file: evaluate each file once at its own budgets"
+        },
+    )
+    query_aware: bool = field(default=False, metadata={"help": "put the question in the prefill (scored)"})
+    seed: int = field(default=0, metadata={"help": "seed of the eval sample stream"})
+    max_new_tokens: int | None = field(
+        default=None, metadata={"help": "cap on answer tokens; null = each task's own (RULER / LongBench)"}
+    )
+    max_batch: int = field(default=32, metadata={"help": "most same-shape routes decoded as one batch"})
+    longbench_dir: str | None = field(
+        default=None, metadata={"help": "folder of LongBench JSONL files (default $LEARNROUTE_LONGBENCH)"}
+    )
+    output: str = field(default="runs/bench", metadata={"help": "run folder"})
+    wandb: bool = field(default=False, metadata={"help": "log to Weights & Biases (offline without network)"})
+    wandb_project: str = field(default="learnroute", metadata={"help": "wandb project"})
+
+    def validate(self) -> list[str]:
+        """Problems that need no model: bad budgets, routes, tasks, sizes."""
+        from learnroute.route import _budget_problem
+
+        problems = []
+        if not self.budgets:
+            problems.append("budgets is empty; give at least one (tokens per KV head or a fraction)")
+        for b in self.budgets:
+            if (p := _budget_problem(b)) is not None:
+                problems.append(f"budgets: {p}")
+        if not self.routes:
+            problems.append(f"routes is empty; valid forms: {', '.join(ROUTE_KINDS)}")
+        for spec in self.routes:
+            problems += route_spec_problems(spec)
+        problems += check_tasks(list(self.tasks), "eval", self.longbench_dir)
+        for name, n in self.tasks.items():
+            if n < 1:
+                problems.append(f"tasks.{name}: sample count must be >= 1, got {n}")
+        if self.context_tokens < 16:
+            problems.append(f"context_tokens must be >= 16, got {self.context_tokens}")
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            problems.append(f"max_new_tokens must be >= 1 or null, got {self.max_new_tokens}")
+        if self.max_batch < 1:
+            problems.append(f"max_batch must be >= 1, got {self.max_batch}")
+        if self.route_file_budgets not in ("scale", "file"):
+            problems.append(f"route_file_budgets must be 'scale' or 'file', got {self.route_file_budgets!r}")
+        return problems
+
+
+# ---------------------------------------------------------------------------- routes
+
+
+def route_spec_problems(spec: str) -> list[str]:
+    """What is wrong with one route spec (empty list if fine); reads route files."""
+    kind, sep, method = spec.partition(":")
+    if spec == "full":
+        return []
+    if sep and kind in ("homogeneous", "pyramid"):
+        if method not in METHODS:
+            return [f"route {spec!r}: unknown method {method!r}; registered: {', '.join(METHODS)}"]
+        return []
+    paths = sorted(glob.glob(spec))
+    if not paths:
+        return [f"route {spec!r} is neither one of {', '.join(ROUTE_KINDS)} nor an existing file"]
+    problems = []
+    for p in paths:
+        try:
+            Route.from_file(p)
+        except RouteError as e:
+            problems.append(str(e))
+    return problems
+
+
+def rescale(route: Route, budget: Budget) -> Route:
+    """The route's methods with its per-layer budget shape rescaled to average ``budget``."""
+    kinds = {isinstance(b, float) for b in route.budgets}
+    if len(kinds) > 1:
+        raise RouteError("cannot rescale a route that mixes integer and fractional budgets; use route_file_budgets=file")
+    mean = sum(route.budgets) / route.n_layers
+    shares = [b / mean for b in route.budgets]
+    if isinstance(budget, float):
+        budgets: list[Budget] = [min(1.0, budget * s) for s in shares]
+    else:
+        budgets = [max(1, round(budget * s)) for s in shares]
+    prov = {**route.provenance, "rescaled_to": budget}
+    return Route.from_layers(route.methods, budgets, model=route.model, **prov)
+
+
+def nominal_budget(route: Route) -> Budget:
+    """One budget figure for a route evaluated at its own budgets (uniform value or mean)."""
+    if len(set(route.budgets)) == 1:
+        return route.budgets[0]
+    mean = sum(route.budgets) / route.n_layers
+    return round(mean) if all(isinstance(b, int) for b in route.budgets) else mean
+
+
+@dataclass
+class Cell:
+    """One (route, budget) column of the benchmark; ``budget`` is None for the full cache."""
+
+    name: str
+    budget: Budget | None
+    route: Route
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.name, json.dumps(self.budget)
+
+
+def resolve_routes(config: BenchConfig, n_layers: int, model: str) -> list[Cell]:
+    """Expand route specs x budgets into cells; route files are checked against the model."""
+    cells: list[Cell] = []
+    problems = []
+    for spec in config.routes:
+        kind, _, method = spec.partition(":")
+        if spec == "full":
+            cells.append(Cell("full", None, Route.full(n_layers, model=model)))
+        elif kind == "homogeneous":
+            cells += [Cell(spec, b, Route.homogeneous(method, n_layers, b, model=model)) for b in config.budgets]
+        elif kind == "pyramid":
+            cells += [Cell(spec, b, Route.allocated(method, n_layers, b, "pyramid", model=model)) for b in config.budgets]
+        else:
+            for path in sorted(glob.glob(spec)):
+                route = Route.from_file(path)
+                try:
+                    route.check_layers(n_layers, f"model {model}")
+                except RouteError as e:
+                    problems.append(f"{path}: {e}")
+                    continue
+                if config.route_file_budgets == "file":
+                    cells.append(Cell(path, nominal_budget(route), route))
+                else:
+                    cells += [Cell(path, b, rescale(route, b)) for b in config.budgets]
+    if problems:
+        raise RouteError("route files do not fit the model:\n  " + "\n  ".join(problems))
+    seen = set()
+    unique = []
+    for c in cells:  # the same file matched by two globs is evaluated once
+        if c.key not in seen:
+            seen.add(c.key)
+            unique.append(c)
+    return unique
+
+
+# ---------------------------------------------------------------------------- run folder
+
+
+def versions() -> dict[str, Any]:
+    """Library versions and the git commit of the learnroute checkout (if any)."""
+    import kvpress  # noqa: F401  (its version via importlib.metadata)
+    import torch
+    import transformers
+    from importlib.metadata import version
+
+    import learnroute
+
+    commit = None
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=Path(learnroute.__file__).parent,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        ).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return {
+        "learnroute": learnroute.__version__,
+        "git_commit": commit,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "kvpress": version("kvpress"),
+        "platform": platform.platform(),
+    }
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def append_jsonl(path: Path, rows: list[dict]) -> None:
+    """Append rows under an exclusive lock in one write (whole lines or nothing useful).
+
+    A previous crash may have left a partial last line; it is cut off first, so every
+    line in the file is a complete JSON row.
+    """
+    if not rows:
+        return
+    data = "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows).encode()
+    with open(path, "a+b") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            if size:
+                f.seek(size - 1)
+                if f.read(1) != b"\n":  # a torn line from a killed writer: drop it
+                    f.seek(0)
+                    content = f.read()
+                    f.truncate(content.rfind(b"\n") + 1)
+            f.seek(0, os.SEEK_END)
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Complete rows of a JSONL file (a torn last line is ignored)."""
+    if not path.is_file():
+        return []
+    rows = []
+    lines = path.read_text().splitlines(keepends=True)
+    for i, line in enumerate(lines):
+        if not line.endswith("\n"):
+            break  # torn last line of a killed run
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{i + 1}: not a JSON row ({e})") from None
+    return rows
+
+
+def _comparable(config: dict) -> dict:
+    return {k: v for k, v in config.items() if k not in _RESUME_FREE}
+
+
+def prepare_folder(config: BenchConfig, overwrite: bool, is_main: bool) -> Path:
+    """Create or reopen the run folder; refuse a different config unless ``overwrite``.
+
+    With ``overwrite`` the old folder is moved aside to ``<output>.replaced-<time>``,
+    never deleted.
+    """
+    out = Path(config.output)
+    resolved = to_dict(config)
+    saved = out / "config.yaml"
+    if saved.is_file():
+        old = yaml.safe_load(saved.read_text()) or {}
+        if _comparable(old) != _comparable(resolved):
+            if not overwrite:
+                diff = sorted(k for k in set(old) | set(resolved) if k not in _RESUME_FREE and old.get(k) != resolved.get(k))
+                raise ConfigError(
+                    f"{out} holds a run with a different config (differs in: {', '.join(diff)}); "
+                    "pass --overwrite to move it aside and start afresh, or choose another output"
+                )
+            if is_main:
+                aside = out.with_name(f"{out.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
+                shutil.move(str(out), aside)
+                print(f"moved the previous run in {out} to {aside}", file=sys.stderr)
+    if is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        _atomic_write(saved, yaml.safe_dump(resolved, sort_keys=False))
+        _atomic_write(out / "versions.json", json.dumps(versions(), indent=2) + "\n")
+    return out
+
+
+# ---------------------------------------------------------------------------- the run
+
+
+def load_samples(config: BenchConfig, tokenizer) -> list[tuple[str, Sample]]:
+    """(task, sample) pairs in a fixed order, eval split only."""
+    pairs = []
+    for task, n in config.tasks.items():
+        for s in load_task(task, tokenizer, n, config.context_tokens, "eval", config.seed, config.longbench_dir):
+            pairs.append((task, s))
+    return pairs
+
+
+def _wandb_run(config: BenchConfig, out: Path):
+    """A wandb run, offline when no network is reachable (or WANDB_MODE says so)."""
+    import wandb
+
+    mode = os.environ.get("WANDB_MODE")
+    if mode is None:
+        try:
+            socket.create_connection(("api.wandb.ai", 443), timeout=2).close()
+            mode = "online"
+        except OSError:
+            mode = "offline"
+    return wandb.init(project=config.wandb_project, config=to_dict(config), dir=str(out), mode=mode)
+
+
+def run_bench(config: BenchConfig, overwrite: bool = False) -> Path:
+    """Evaluate every cell on every sample (this process's shard); returns the run folder."""
+    import torch
+    from accelerate import PartialState
+    from tqdm import tqdm
+
+    from learnroute import _hf
+    from learnroute.engine import Engine
+    from learnroute.models import load_model, model_name
+    from learnroute.report import summarize
+    from learnroute.tasks.metrics import score_sample
+
+    state = PartialState(cpu=not torch.cuda.is_available())
+    rank, world = state.process_index, state.num_processes
+    out = prepare_folder(config, overwrite, state.is_main_process)
+    state.wait_for_everyone()
+
+    model, tokenizer = load_model(config.model)
+    if torch.cuda.is_available():
+        model.to(state.device)
+    name = model_name(model)
+    cells = resolve_routes(config, len(_hf.attention_modules(model)), name)
+    samples = load_samples(config, tokenizer)
+    if state.is_main_process:
+        existing = {r["id"] for r in read_jsonl(out / "samples.jsonl")}
+        append_jsonl(out / "samples.jsonl", [{"task": t, **s.to_dict()} for t, s in samples if s.id not in existing])
+    done = {(r["sample_id"], r["route"], json.dumps(r["budget"])) for r in read_jsonl(out / "results.jsonl")}
+    mine = samples[rank::world]
+    engine = Engine(model, tokenizer, query_aware=config.query_aware, max_batch=config.max_batch)
+    wb = _wandb_run(config, out) if config.wandb and state.is_main_process else None
+    warned: set[tuple] = set()
+    bar = tqdm(mine, desc=f"bench[{rank}]" if world > 1 else "bench", disable=not state.is_main_process, unit="sample")
+    for task, sample in bar:
+        todo = [c for c in cells if (sample.id, *c.key) not in done]
+        if not todo:
+            continue
+        max_new = config.max_new_tokens or sample.meta.get("max_new_tokens", 50)
+        prompt = engine.encode(
+            sample.context,
+            sample.question,
+            sample.answer_prefix,
+            chat=sample.meta.get("chat_template", True),
+            max_new_tokens=max_new,
+        )
+        n = prompt.context_ids.shape[1]
+        for c in todo:
+            if isinstance(c.budget, int) and c.budget >= n and (c.budget, task) not in warned:
+                warned.add((c.budget, task))
+                tqdm.write(f"note: budget {c.budget} >= context ({n} tokens) in {task}: the cache is kept whole", file=sys.stderr)
+        engine.check_routes([c.route for c in todo], n)
+        prefill = engine.prefill(prompt)
+        results = engine.answer(prefill, [c.route for c in todo], max_new_tokens=max_new)
+        rows = []
+        for c, r in zip(todo, results):
+            rows.append(
+                {
+                    "task": task,
+                    "sample_id": sample.id,
+                    "route": c.name,
+                    "budget": c.budget,
+                    "prediction": r.answer,
+                    "score": score_sample(sample, r.answer),
+                    "kv_bytes": r.kv_bytes,
+                    "kv_fraction": r.kv_fraction,
+                    "n_tokens": n,
+                    "seconds": r.seconds,
+                    "prefill_seconds": prefill.seconds,
+                    "rank": rank,
+                }
+            )
+        append_jsonl(out / "results.jsonl", rows)
+        if wb is not None:
+            for row in rows:
+                wb.log({f"score/{row['task']}/{row['route']}@{row['budget']}": row["score"]})
+        bar.set_postfix(task=task)
+    state.wait_for_everyone()
+    if state.is_main_process:
+        summary = summarize(out)
+        if wb is not None:
+            import wandb
+
+            wb.log({"summary": wandb.Table(dataframe=None, columns=list(summary[0]), data=[list(r.values()) for r in summary])})
+            wb.finish()
+    return out

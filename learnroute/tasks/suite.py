@@ -1,0 +1,66 @@
+"""One namespace for every task the benchmark and the profiler can load.
+
+Synthetic RULER-style tasks go by their name (``niah_single_2``); LongBench datasets by
+``longbench/<dataset>`` (``longbench/narrativeqa``), read from local JSONL files.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from learnroute.tasks.ruler import TASKS, Sample, make_samples
+
+LONGBENCH = "longbench/"
+
+
+def task_names() -> list[str]:
+    """Every valid task name."""
+    from learnroute.tasks.longbench import LONGBENCH_TASKS
+
+    return list(TASKS) + [LONGBENCH + name for name in LONGBENCH_TASKS]
+
+
+def check_tasks(names: list[str], split: str, longbench_dir: str | os.PathLike | None = None) -> list[str]:
+    """Problems with a task list (unknown names, missing LongBench files), without loading anything."""
+    from learnroute.tasks.longbench import LONGBENCH_TASKS, default_data_dir
+
+    problems = []
+    if not names:
+        problems.append("the task list is empty; valid tasks: " + ", ".join(task_names()))
+    for name in names:
+        if name.startswith(LONGBENCH):
+            dataset = name[len(LONGBENCH) :]
+            path = Path(longbench_dir or default_data_dir()) / f"{dataset}.jsonl"
+            if dataset.removesuffix("_e") not in LONGBENCH_TASKS:
+                problems.append(f"unknown LongBench dataset {dataset!r}; valid: {', '.join(LONGBENCH_TASKS)}")
+            elif split != "eval":
+                problems.append(f"{name}: LongBench is evaluation data only; use synthetic tasks for {split}")
+            elif not path.is_file():
+                problems.append(f"{name}: LongBench file {path} not found (see `learnroute.tasks.longbench`)")
+        elif name not in TASKS:
+            problems.append(f"unknown task {name!r}; valid: {', '.join(task_names())}")
+    return problems
+
+
+def load_task(
+    name: str,
+    tokenizer,
+    n: int,
+    n_tokens: int,
+    split: str,
+    seed: int = 0,
+    longbench_dir: str | Path | None = None,
+) -> list[Sample]:
+    """``n`` samples of task ``name``: generated (RULER-style) or read (LongBench).
+
+    ``n_tokens`` is the target context length of generated samples and the
+    middle-truncation limit of LongBench prompts.
+    """
+    if name.startswith(LONGBENCH):
+        from learnroute.tasks.longbench import load_longbench
+
+        return load_longbench(name[len(LONGBENCH) :], tokenizer, data_dir=longbench_dir, max_tokens=n_tokens, n=n)
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; valid: {', '.join(task_names())}")
+    return make_samples(name, tokenizer, n, n_tokens, split, seed)

@@ -1,0 +1,220 @@
+"""`learnroute bench` on a tiny model: run folder, resume, refusal, re-scoring, sharding."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+import learnroute as lr
+from learnroute.bench import BenchConfig, read_jsonl, run_bench
+from learnroute.cli import main
+from learnroute.config import ConfigError, load_config
+from learnroute.report import summarize
+from tests.conftest import make_tiny
+
+ROUTES = ["full", "homogeneous:snapkv", "pyramid:tova", "homogeneous:streaming_llm"]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, tokenizer):
+    """A tiny random 4-layer Llama saved as a HF folder, with the real tokenizer."""
+    path = tmp_path_factory.mktemp("tiny-llama")
+    make_tiny(tokenizer).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def config_for(tiny_dir, out, **over) -> BenchConfig:
+    items = [
+        f"model={tiny_dir}",
+        "tasks={niah_single_1: 2, multihop_qa: 1}",
+        "context_tokens=200",
+        "budgets=[16, 0.5]",
+        f"routes={json.dumps(ROUTES)}",
+        "max_new_tokens=4",
+        f"output={out}",
+    ] + [f"{k}={v}" for k, v in over.items()]
+    return load_config(BenchConfig, None, items)
+
+
+def cells(rows):
+    return sorted((r["sample_id"], r["route"], json.dumps(r["budget"])) for r in rows)
+
+
+@pytest.fixture(scope="module")
+def run(tiny_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "run"
+    cfg = config_for(tiny_dir, out)
+    run_bench(cfg)
+    return cfg, out
+
+
+def test_run_folder_contents(run):
+    cfg, out = run
+    for name in ["config.yaml", "versions.json", "samples.jsonl", "results.jsonl", "summary.csv", "summary.md", "plot.png"]:
+        assert (out / name).is_file(), name
+    assert yaml.safe_load((out / "config.yaml").read_text())["budgets"] == [16, 0.5]
+    assert json.loads((out / "versions.json").read_text())["kvpress"] == "0.5.5"
+    samples = read_jsonl(out / "samples.jsonl")
+    assert len(samples) == 3 and all(s["split"] == "eval" for s in samples)
+    rows = read_jsonl(out / "results.jsonl")
+    # full once + 3 routes x 2 budgets, per sample
+    assert len(rows) == 3 * (1 + 3 * 2) == len(set(cells(rows)))
+    by = {(r["route"], json.dumps(r["budget"])): r for r in rows if r["sample_id"] == samples[0]["id"]}
+    assert by[("full", "null")]["kv_fraction"] == 1.0
+    assert by[("homogeneous:snapkv", "0.5")]["kv_fraction"] == pytest.approx(0.5, abs=0.01)
+    n = by[("full", "null")]["n_tokens"]
+    assert by[("homogeneous:snapkv", "16")]["kv_fraction"] == pytest.approx(16 / n)
+    md = (out / "summary.md").read_text()
+    assert "## Budget 16" in md and "## Budget 0.5" in md and "pyramid:tova" in md
+    # the random tiny model solves nothing: both tasks are flagged
+    assert "**Flag:**" in md and "niah_single_1" in md
+
+
+def test_rerun_skips_finished_cells_and_recovers_a_killed_run(run, tiny_dir):
+    cfg, out = run
+    results = out / "results.jsonl"
+    before = read_jsonl(results)
+    run_bench(cfg)
+    assert read_jsonl(results) == before  # nothing recomputed, nothing duplicated
+    # Simulate a run killed while writing its last sample: drop that sample's rows, leave a torn line.
+    last = before[-1]["sample_id"]
+    kept = [r for r in before if r["sample_id"] != last]
+    results.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in kept) + '{"task": "niah_si')
+    run_bench(cfg)
+    after = read_jsonl(results)
+    assert after[: len(kept)] == kept  # finished cells untouched
+    assert cells(after) == cells(before)  # only the lost sample was redone
+
+
+def test_different_config_refused_unless_overwrite(run, tiny_dir):
+    cfg, out = run
+    other = config_for(tiny_dir, out, budgets="[8]")
+    with pytest.raises(ConfigError, match="differs in: budgets.*--overwrite"):
+        run_bench(other)
+    # a field that changes no result (batching) may differ and still resume
+    run_bench(config_for(tiny_dir, out, max_batch=2))
+
+
+def test_overwrite_moves_the_old_run_aside(tiny_dir, tmp_path):
+    out = tmp_path / "run"
+    run_bench(config_for(tiny_dir, out, tasks="{niah_single_1: 1}", routes="[full]"))
+    run_bench(config_for(tiny_dir, out, tasks="{niah_single_1: 1}", routes="[full]", budgets="[8]"), overwrite=True)
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("run.replaced-")]
+    assert len(aside) == 1 and (aside[0] / "results.jsonl").is_file()
+    assert yaml.safe_load((out / "config.yaml").read_text())["budgets"] == [8]
+
+
+def test_rescore_from_jsonl_alone_gives_the_same_summary(run, tmp_path):
+    _, out = run
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for name in ["samples.jsonl", "results.jsonl"]:
+        (copy / name).write_bytes((out / name).read_bytes())
+    summarize(copy, rescore=True)
+    assert (copy / "summary.csv").read_text() == (out / "summary.csv").read_text()
+    assert (copy / "summary.md").read_text() == (out / "summary.md").read_text()
+
+
+def test_rescore_uses_predictions_and_references(run, tmp_path):
+    """A tampered stored score is ignored; a prediction that contains the answer scores 1."""
+    _, out = run
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    samples = read_jsonl(out / "samples.jsonl")
+    rows = read_jsonl(out / "results.jsonl")
+    answer = {s["id"]: s["answers"] for s in samples}
+    for r in rows:
+        r["score"] = 0.77  # wrong on purpose
+        if r["route"] == "full":
+            r["prediction"] = " ".join(answer[r["sample_id"]])
+    (copy / "samples.jsonl").write_bytes((out / "samples.jsonl").read_bytes())
+    (copy / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    table = summarize(copy, rescore=True)
+    full = {t["task"]: t["score"] for t in table if t["route"] == "full"}
+    assert full == {"niah_single_1": 1.0, "multihop_qa": 1.0, "average": 1.0, "average (tasks the full cache solves)": 1.0}
+    others = {t["score"] for t in table if t["route"] != "full"}
+    assert 0.77 not in others
+
+
+def test_route_files_scaled_and_as_given(tiny_dir, tmp_path):
+    route = lr.Route.from_layers(["snapkv", "tova", "knorm", "tova"], [8, 16, 16, 24], model="tiny", source="test")
+    route.to_file(tmp_path / "routes" / "mix.json")
+    out = tmp_path / "run"
+    glob_spec = str(tmp_path / "routes" / "*.json")
+    run_bench(config_for(tiny_dir, out, tasks="{niah_single_1: 1}", routes=f"[{glob_spec}]", budgets="[32]"))
+    (row,) = read_jsonl(out / "results.jsonl")
+    assert row["route"] == str(tmp_path / "routes" / "mix.json") and row["budget"] == 32
+    assert row["kv_bytes"] == pytest.approx(row["kv_fraction"] * row["kv_bytes"] / row["kv_fraction"])
+    n = row["n_tokens"]
+    assert row["kv_fraction"] == pytest.approx((16 + 32 + 32 + 48) / (4 * n))  # shape x2, mean 32
+    out2 = tmp_path / "run2"
+    run_bench(config_for(tiny_dir, out2, tasks="{niah_single_1: 1}", routes=f"[{glob_spec}]", route_file_budgets="file"))
+    (row,) = read_jsonl(out2 / "results.jsonl")
+    assert row["budget"] == 16 and row["kv_fraction"] == pytest.approx(64 / (4 * n))
+
+
+def test_route_file_for_another_model_refused_before_any_work(tiny_dir, tmp_path):
+    lr.Route.homogeneous("snapkv", 30, 64, model="SmolLM2-135M-Instruct").to_file(tmp_path / "smol.json")
+    out = tmp_path / "run"
+    code = None
+    with pytest.raises(SystemExit) as e:
+        main(["bench", f"model={tiny_dir}", f"routes=[{tmp_path / 'smol.json'}]", f"output={out}", "tasks={niah_single_1: 1}"])
+    code = e.value.code
+    assert code == 2
+    assert not (out / "results.jsonl").exists()
+
+
+def test_cli_bad_config_lists_problems(capsys, tmp_path):
+    with pytest.raises(SystemExit):
+        main(["bench", "tasks={nope: 1}", "routes=[homogeneous:nosuch]", f"output={tmp_path}"])
+    err = capsys.readouterr().err
+    assert "unknown task 'nope'" in err and "unknown method 'nosuch'" in err
+
+
+def test_budget_above_context_keeps_all_and_says_so(tiny_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    run_bench(config_for(tiny_dir, out, tasks="{niah_single_1: 1}", routes="[homogeneous:snapkv]", budgets="[100000]"))
+    (row,) = read_jsonl(out / "results.jsonl")
+    assert row["kv_fraction"] == 1.0
+    assert "the cache is kept whole" in capsys.readouterr().err
+
+
+def test_two_processes_shard_and_merge(tiny_dir, tmp_path):
+    """torchrun with 2 CPU processes: samples split across ranks, one merged folder."""
+    out = tmp_path / "run"
+    cfg = tmp_path / "bench.yaml"
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "model": str(tiny_dir),
+                "tasks": {"niah_single_1": 3, "multihop_qa": 1},
+                "context_tokens": 200,
+                "budgets": [16],
+                "routes": ["full", "homogeneous:snapkv"],
+                "max_new_tokens": 4,
+                "output": str(out),
+            }
+        )
+    )
+    torchrun = Path(sys.executable).parent / "torchrun"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [str(torchrun), "--nproc_per_node", "2", "-m", "learnroute.cli", "bench", "--config", str(cfg)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_jsonl(out / "results.jsonl")
+    assert len(rows) == 4 * 2 == len(set(cells(rows)))
+    assert {r["rank"] for r in rows} == {0, 1}
+    assert len(read_jsonl(out / "samples.jsonl")) == 4
+    assert (out / "summary.md").is_file()

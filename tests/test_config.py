@@ -1,0 +1,72 @@
+"""Configs: defaults -> YAML -> key=value, one error listing every problem."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from learnroute.bench import BenchConfig
+from learnroute.config import ConfigError, load_config
+
+
+@dataclass
+class Toy:
+    n: int = 1
+    rate: float = 0.5
+    name: str | None = None
+    items: list[int | float] = field(default_factory=lambda: [1])
+    counts: dict[str, int] = field(default_factory=lambda: {"a": 1})
+    flag: bool = False
+
+
+def test_precedence_defaults_yaml_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("n: 3\nrate: 2\nname: from-yaml\n")
+    cfg = load_config(Toy, path, ["n=5", "items=[64, 0.25]", "counts.b=2", "flag=true"])
+    assert cfg.n == 5  # override beats YAML
+    assert cfg.rate == 2.0 and isinstance(cfg.rate, float)  # YAML beats default; ints widen
+    assert cfg.name == "from-yaml"
+    assert cfg.items == [64, 0.25]
+    assert cfg.counts == {"a": 1, "b": 2}  # dotted key edits one entry of the default mapping
+    assert cfg.flag is True
+    assert load_config(Toy) == Toy()
+
+
+def test_every_problem_in_one_error(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("n: many\nbogus: 1\nflag: 3\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(Toy, path, ["other=2", "rate=fast", "noequals"])
+    msg = str(e.value)
+    for part in ["n: expected an integer", "flag: expected true or false", "rate: expected a number",
+                 "'bogus'", "'other'", "valid keys: n, rate", "'noequals' is not key=value"]:
+        assert part in msg, part
+
+
+def test_missing_file_and_non_mapping(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(Toy, tmp_path / "nope.yaml")
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        load_config(Toy, tmp_path / "list.yaml")
+
+
+def test_bench_config_validation_lists_all():
+    with pytest.raises(ConfigError) as e:
+        load_config(
+            BenchConfig,
+            None,
+            ["tasks={nope_task: 1, niah_single_1: 0}", "budgets=[0, 1.5]", "routes=[homogeneous:nosuch, missing.json]"],
+        )
+    msg = str(e.value)
+    assert "unknown task 'nope_task'; valid: niah_single_1" in msg
+    assert "sample count must be >= 1" in msg
+    assert "budget 0 must be >= 1" in msg and "budget 1.5 as a fraction must be in (0, 1]" in msg
+    assert "unknown method 'nosuch'; registered:" in msg and "snapkv" in msg
+    assert "'missing.json' is neither one of full" in msg
+
+
+def test_bench_config_empty_tasks():
+    with pytest.raises(ConfigError, match="the task list is empty"):
+        load_config(BenchConfig, None, ["tasks={}"])
