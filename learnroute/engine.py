@@ -50,7 +50,9 @@ def build_prompt(
         context, question = context + question, ""
     if tokenizer.chat_template is None or not chat:
         context = (tokenizer.bos_token or "") + context
-        suffix = "\n"
+        # kvpress's pipeline ends a template-less question with a newline; a raw prompt
+        # (chat=False, e.g. LongBench's few-shot and code tasks) is used exactly as given.
+        suffix = "\n" if chat else ""
     else:
         separator = "#" * (len(context) + 10)
         text = tokenizer.apply_chat_template(
