@@ -218,3 +218,23 @@ def test_two_processes_shard_and_merge(tiny_dir, tmp_path):
     assert {r["rank"] for r in rows} == {0, 1}
     assert len(read_jsonl(out / "samples.jsonl")) == 4
     assert (out / "summary.md").is_file()
+
+
+def test_longbench_tasks_from_local_files(tiny_dir, tmp_path):
+    """LongBench rows run through the same engine; non-chat tasks keep their raw prompt."""
+    data = Path(__file__).parent / "data" / "longbench"
+    out = tmp_path / "run"
+    cfg = config_for(
+        tiny_dir, out, tasks="{longbench/trec: 1, longbench/qasper: 1}", routes="[full, homogeneous:knorm]",
+        budgets="[0.5]", longbench_dir=str(data),
+    )
+    run_bench(cfg)
+    rows = read_jsonl(out / "results.jsonl")
+    assert sorted({r["task"] for r in rows}) == ["longbench/qasper", "longbench/trec"] and len(rows) == 4
+    samples = read_jsonl(out / "samples.jsonl")
+    assert {s["metric"] for s in samples} == {"classification_score", "qa_f1_score"}
+
+
+def test_missing_longbench_file_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="longbench/narrativeqa: LongBench file .*narrativeqa.jsonl not found"):
+        load_config(BenchConfig, None, ["tasks={longbench/narrativeqa: 1}", f"longbench_dir={tmp_path}"])
