@@ -140,6 +140,61 @@ def capture_prefill(model: PreTrainedModel, input_ids: torch.Tensor) -> list[Lay
     return captures
 
 
+def decoder_layers(model: PreTrainedModel) -> list[nn.Module]:
+    return list(language_model(model).layers)
+
+
+@torch.no_grad()
+def layer_inputs(
+    model: PreTrainedModel, cache: DynamicCache, input_ids: torch.Tensor, position_ids: torch.Tensor
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Forward ``input_ids`` (B, t) after ``cache``; return every decoder layer's input
+    hidden states [(B, t, D)] and the logits (B, t, V). The cache is extended in place."""
+    inputs: list[torch.Tensor] = []
+
+    def hook(module, args, kwargs):
+        inputs.append((kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]).clone())
+
+    handles = [layer.register_forward_pre_hook(hook, with_kwargs=True) for layer in decoder_layers(model)]
+    try:
+        out = model(input_ids=input_ids, past_key_values=cache, position_ids=position_ids, use_cache=True)
+    finally:
+        for h in handles:
+            h.remove()
+    return inputs, out.logits
+
+
+@torch.no_grad()
+def forward_from_layer(
+    model: PreTrainedModel,
+    start: int,
+    hidden: torch.Tensor,
+    cache: DynamicCache,
+    position_ids: torch.Tensor,
+    keep: slice = slice(None),
+) -> torch.Tensor:
+    """Run decoder layers ``start..L-1`` on ``hidden`` (B, t, D), then the final norm and
+    LM head on positions ``keep``; returns logits (B, t_kept, V).
+
+    Layers below ``start`` are skipped: their outputs for these tokens are given by
+    ``hidden`` (used when only layers >= start differ from a reference run). ``cache``
+    needs entries for layers >= start only. Run inside :func:`routed_attention`.
+    """
+    lm = language_model(model)
+    position_embeddings = lm.rotary_emb(hidden, position_ids=position_ids)  # cos, sin: (B, t, d)
+    for layer in decoder_layers(model)[start:]:
+        out = layer(
+            hidden,
+            attention_mask=None,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+            position_embeddings=position_embeddings,
+        )
+        hidden = out[0] if isinstance(out, tuple) else out  # transformers < 5 returns tuples
+    return model.lm_head(lm.norm(hidden[:, keep]))
+
+
 def build_cache(model: PreTrainedModel, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
     """A DynamicCache holding the given per-layer keys/values, each (B, H_kv, n_l, d)."""
     cache = DynamicCache(config=model.config)
@@ -229,8 +284,12 @@ def _routed(eager: bool):
     def attention(module, query, key, value, attention_mask, dropout=0.0, **kwargs):
         q, kv = query.shape[2], key.shape[2]
         bias = getattr(module, _BIAS_ATTR, None)
-        if bias is not None or (attention_mask is not None and attention_mask.shape[-1] != kv) or (
-            attention_mask is None and eager
+        # Without a mask, several queries over a longer cache need one aligned to the end of
+        # the keys (sdpa's is_causal would align it to the start); see forward_from_layer.
+        if (
+            bias is not None
+            or (attention_mask is not None and attention_mask.shape[-1] != kv)
+            or (attention_mask is None and (eager or 1 < q != kv))
         ):
             attention_mask = _layer_mask(attention_mask, q, kv, query, bias, eager)
         if eager:

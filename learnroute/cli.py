@@ -13,6 +13,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("answer a long-context question with the full cache and three routes", "learnroute.demo:main"),
     "show": ("print a route file as a per-layer table", "learnroute.route_cli:show"),
     "bench": ("evaluate routes x budgets x tasks into a run folder", "learnroute.commands:bench"),
+    "profile": ("per-layer damage profile on calibration data -> profile-guided routes", "learnroute.commands:profile"),
     "report": ("rewrite (and re-score) a bench folder's summary and plot", "learnroute.commands:report"),
 }
 

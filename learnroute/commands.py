@@ -53,3 +53,19 @@ def report(argv: list[str]) -> int:
         parser.exit(2, f"learnroute report: error: {e}\n")
     print(Path(args.folder, "summary.md").read_text())
     return 0
+
+
+def profile(argv: list[str]) -> int:
+    """Per-layer x method damage on calibration samples -> heatmap and profile-guided routes."""
+    from learnroute.profile import ProfileConfig, run_profile
+
+    parser = _config_parser("learnroute profile", profile.__doc__, ProfileConfig)
+    parser.add_argument("--overwrite", action="store_true", help="move a run with another config aside")
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(ProfileConfig, args.config, args.overrides)
+        out = run_profile(config, overwrite=args.overwrite)
+    except (ConfigError, RouteError, FileNotFoundError) as e:
+        parser.exit(2, f"learnroute profile: error: {e}\n")
+    print(f"profile in {out}: profile.json, heatmap.png, profile_<budget>[_alloc].json", file=sys.stderr)
+    return 0

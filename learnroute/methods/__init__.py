@@ -6,15 +6,19 @@ Budget allocation across layers is a separate axis (:mod:`learnroute.methods.bud
 
 from learnroute.methods.base import Method, keep_indices, resolve_budget
 from learnroute.methods.budgets import ALLOCATORS, allocate
+from learnroute.methods.kvpress_map import KVPRESS_METHODS, kvpress_press, kvpress_ratio
 from learnroute.methods.registry import METHODS, get_method, method_names
 
 __all__ = [
     "ALLOCATORS",
+    "KVPRESS_METHODS",
     "METHODS",
     "Method",
     "allocate",
     "get_method",
     "keep_indices",
+    "kvpress_press",
+    "kvpress_ratio",
     "method_names",
     "resolve_budget",
 ]

@@ -1,0 +1,340 @@
+"""Offline per-layer profiles and the routes built from them (background.md §3).
+
+For every layer ``l`` and method ``m`` at budget ``k``, only layer ``l`` is compressed
+with ``m`` (every other layer keeps its full cache) and the damage on the reference
+answer is measured with teacher forcing: KL(full ‖ compressed) of the next-token
+distributions over the answer tokens, and the answer's NLL increase. Averaged over
+calibration samples this gives an L x M damage matrix per budget.
+
+Cost: one prefill per sample serves all L x M cells. A full-cache forward over question
++ answer records every layer's input hidden states; since compressing layer ``l`` leaves
+layers below it unchanged, each cell restarts from layer ``l`` with that recorded input
+and runs only layers ``l..L-1``. The M methods of one layer share a batch; methods that
+keep exactly the same tokens at a layer share one row (and get the same damage).
+
+Route files: ``profile_<budget>.json`` picks per layer the least damaging method (ties go
+to the method listed first); ``profile_<budget>_alloc.json`` also shares the total budget
+across layers in proportion to each layer's sensitivity (its damage with its best method).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from learnroute.config import to_dict
+from learnroute.methods.base import resolve_budget
+from learnroute.methods.registry import METHODS
+from learnroute.route import Route, RouteError, _budget_problem
+from learnroute.tasks.ruler import Sample
+from learnroute.tasks.suite import check_tasks, load_task
+
+Budget = int | float
+SCHEMA = "learnroute.profile/1"
+CANDIDATES = [
+    "snapkv",
+    "streaming_llm",
+    "h2o",
+    "tova",
+    "knorm",
+    "expected_attention",
+    "keydiff",
+    "critical_snapkv",
+    "lava",
+    "random",
+]
+DAMAGES = ("kl", "nll")
+
+
+@dataclass
+class ProfileConfig:
+    """What ``learnroute profile`` measures (calibration samples only)."""
+
+    model: str | None = field(default=None, metadata={"help": "HF model folder or hub id; null = bundled SmolLM2"})
+    tasks: dict[str, int] = field(
+        default_factory=lambda: {"niah_single_2": 4, "niah_multikey": 4},
+        metadata={"help": "synthetic task -> number of calibration samples"},
+    )
+    context_tokens: int = field(default=2048, metadata={"help": "context length of the samples (tokens)"})
+    budgets: list[Budget] = field(default_factory=lambda: [64], metadata={"help": "budgets to profile"})
+    methods: list[str] = field(default_factory=lambda: list(CANDIDATES), metadata={"help": "candidate methods"})
+    select_by: str = field(default="kl", metadata={"help": "damage used to pick methods: kl or nll"})
+    query_aware: bool = field(default=False, metadata={"help": "put the question in the prefill (scored)"})
+    seed: int = field(default=0, metadata={"help": "seed of the calibration sample stream"})
+    output: str = field(default="runs/profile", metadata={"help": "run folder"})
+
+    def validate(self) -> list[str]:
+        problems = []
+        if not self.tasks:
+            problems.append("the calibration set is empty: give at least one task with a sample count >= 1")
+        problems += [p for p in check_tasks(list(self.tasks), "calibration") if "empty" not in p]
+        for name, n in self.tasks.items():
+            if n < 1:
+                problems.append(f"tasks.{name}: sample count must be >= 1, got {n}")
+        if not self.budgets:
+            problems.append("budgets is empty")
+        for b in self.budgets:
+            if (p := _budget_problem(b)) is not None:
+                problems.append(f"budgets: {p}")
+        if len(self.methods) < 1:
+            problems.append("methods is empty; registered: " + ", ".join(METHODS))
+        for m in self.methods:
+            if m not in METHODS or m == "full":
+                problems.append(f"unknown candidate method {m!r}; registered: {', '.join(x for x in METHODS if x != 'full')}")
+        if len(set(self.methods)) != len(self.methods):
+            problems.append("methods lists a method twice")
+        if self.select_by not in DAMAGES:
+            problems.append(f"select_by must be one of {', '.join(DAMAGES)}, got {self.select_by!r}")
+        if self.context_tokens < 16:
+            problems.append(f"context_tokens must be >= 16, got {self.context_tokens}")
+        return problems
+
+
+# ---------------------------------------------------------------------------- damage of one sample
+
+
+def answer_text(sample: Sample) -> str:
+    """The reference answer to teacher-force: the references joined, after the prefix."""
+    text = ", ".join(sample.answers)
+    return text if not sample.answer_prefix or sample.answer_prefix.endswith((" ", "\n")) else " " + text
+
+
+@torch.no_grad()
+def sample_damage(engine, sample: Sample, budgets: list[Budget], methods: list[str]) -> dict[str, Any]:
+    """Damage matrices of one sample: ``{"kl": {budget: L x M}, "nll": {...}, ...}``.
+
+    ``engine`` is a :class:`learnroute.engine.Engine`; its prefill and method scores are
+    reused for every cell.
+    """
+    from learnroute import _hf
+
+    model, tok = engine.model, engine.tokenizer
+    prompt = engine.encode(sample.context, sample.question, sample.answer_prefix, chat=sample.meta.get("chat_template", True))
+    answer_ids = tok.encode(answer_text(sample), return_tensors="pt", add_special_tokens=False)  # (1, a)
+    if answer_ids.shape[1] == 0:
+        raise ValueError(f"sample {sample.id} has an empty reference answer: nothing to teacher-force")
+    prefill = engine.prefill(prompt)
+    n, q, a = prefill.n_tokens, prompt.question_ids.shape[1], answer_ids.shape[1]
+    engine.check_routes([Route.homogeneous(m, engine.n_layers, budgets[0]) for m in methods], n)
+    ids = torch.cat([prompt.question_ids, answer_ids], dim=1)  # (1, t): question + answer
+    pos = torch.arange(n, n + q + a).unsqueeze(0)  # (1, t): original positions after the context
+    # Logits at positions q-1 .. q+a-2 predict the a answer tokens.
+    keep = slice(q - 1, q + a - 1)
+    target = answer_ids[0]  # (a,)
+    full_kv = [(c.keys, c.values) for c in prefill.layers]
+    inputs, logits = _hf.layer_inputs(model, _hf.build_cache(model, full_kv), ids, pos)
+    ref_logp = torch.log_softmax(logits[0, keep].float(), -1)  # (a, V)
+    ref_nll = -ref_logp.gather(-1, target[:, None]).mean()
+    L, M = engine.n_layers, len(methods)
+    out: dict[str, Any] = {"kl": {}, "nll": {}, "n_tokens": n, "answer_tokens": a}
+    for budget in budgets:
+        k = resolve_budget(budget, n)
+        kl = torch.zeros(L, M)
+        nll = torch.zeros(L, M)
+        for layer in range(L):
+            # Distinct kept-index sets among the methods (identical sets share one row).
+            rows: list[torch.Tensor] = []
+            row_of: list[int] = []
+            for m in methods:
+                idx = engine.kept_indices(prefill, layer, m, min(k, n))  # (1, H_kv, k)
+                for r, other in enumerate(rows):
+                    if other.shape == idx.shape and torch.equal(other, idx):
+                        row_of.append(r)
+                        break
+                else:
+                    row_of.append(len(rows))
+                    rows.append(idx)
+            R = len(rows)
+            cap = prefill.layers[layer]
+            d = cap.keys.shape[-1]
+            gidx = torch.cat(rows).unsqueeze(-1).expand(-1, -1, -1, d)  # (R, H_kv, k, d)
+            kv = []
+            for j, (keys, values) in enumerate(full_kv):
+                if j < layer:
+                    empty = keys[:, :, :0].expand(R, -1, -1, -1)  # (R, H_kv, 0, d): never read
+                    kv.append((empty, empty))
+                elif j == layer:
+                    kv.append((keys.expand(R, -1, -1, -1).gather(2, gidx), values.expand(R, -1, -1, -1).gather(2, gidx)))
+                else:
+                    kv.append((keys.expand(R, -1, -1, -1), values.expand(R, -1, -1, -1)))  # (R, H_kv, n, d)
+            hidden = inputs[layer].expand(R, -1, -1)  # (R, t, D)
+            with _hf.routed_attention(model):
+                cell_logits = _hf.forward_from_layer(
+                    model, layer, hidden, _hf.build_cache(model, kv), pos.expand(R, -1), keep
+                )  # (R, a, V)
+            logp = torch.log_softmax(cell_logits.float(), -1)  # (R, a, V)
+            row_kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1).mean(-1)  # (R,)
+            row_nll = -logp.gather(-1, target[None, :, None].expand(R, -1, 1)).squeeze(-1).mean(-1) - ref_nll  # (R,)
+            kl[layer] = row_kl[row_of]
+            nll[layer] = row_nll[row_of]
+        out["kl"][json.dumps(budget)] = kl.tolist()
+        out["nll"][json.dumps(budget)] = nll.tolist()
+    return out
+
+
+# ---------------------------------------------------------------------------- routes from a profile
+
+
+def best_methods(damage: list[list[float]], methods: list[str]) -> list[str]:
+    """Per layer the least damaging method; ties go to the method listed first."""
+    return [methods[min(range(len(row)), key=lambda i: (row[i], i))] for row in damage]
+
+
+def sensitivity(damage: list[list[float]]) -> list[float]:
+    """Per layer: the damage of compressing it alone with its best method."""
+    return [min(row) for row in damage]
+
+
+def allocate_by_sensitivity(sens: list[float], budget: Budget) -> list[Budget]:
+    """Per-layer budgets proportional to sensitivity with the same total (up to rounding).
+
+    A small floor (1 % of the mean sensitivity) keeps insensitive layers from dropping to
+    nothing; integer budgets stay >= 1, fractions are capped at 1.
+    """
+    floor = 0.01 * (sum(sens) / len(sens)) + 1e-12
+    w = [max(s, 0.0) + floor for s in sens]
+    mean = sum(w) / len(w)
+    if isinstance(budget, float):
+        return [min(1.0, budget * x / mean) for x in w]
+    return [max(1, round(budget * x / mean)) for x in w]
+
+
+def build_routes(
+    profile: dict[str, Any], *, model: str | None, n_layers: int, methods: list[str] | None = None
+) -> dict[str, Route]:
+    """Route files of a profile: ``profile_<b>`` and ``profile_<b>_alloc`` per budget.
+
+    Refuses a profile made for another model (name or layer count) or whose methods are
+    not the requested ``methods`` (when given).
+    """
+    problems = []
+    if profile.get("schema") != SCHEMA:
+        problems.append(f"not a learnroute profile (schema {profile.get('schema')!r}, expected {SCHEMA!r})")
+    if model is not None and profile.get("model") not in (None, model):
+        problems.append(f"profile was made for model {profile.get('model')!r}, not {model!r}")
+    if profile.get("n_layers") != n_layers:
+        problems.append(f"profile has {profile.get('n_layers')} layers but the model has {n_layers}")
+    if methods is not None and list(profile.get("methods", [])) != list(methods):
+        problems.append(f"profile covers methods {profile.get('methods')}, not the requested {methods}")
+    if problems:
+        raise RouteError("cannot build routes from this profile:\n  " + "\n  ".join(problems))
+    methods = list(profile["methods"])
+    select = profile.get("select_by", "kl")
+    routes = {}
+    for key, damage in profile["damage"][select].items():
+        budget = json.loads(key)
+        chosen = best_methods(damage, methods)
+        sens = sensitivity(damage)
+        prov = {"source": "profile", "budget": budget, "select_by": select, "samples": profile.get("n_samples")}
+        routes[f"profile_{budget}"] = Route.from_layers(chosen, budget, model=profile.get("model"), **prov)
+        alloc = allocate_by_sensitivity(sens, budget)
+        routes[f"profile_{budget}_alloc"] = Route.from_layers(
+            chosen, alloc, model=profile.get("model"), **{**prov, "allocator": "sensitivity"}
+        )
+    return routes
+
+
+def heatmap(profile: dict[str, Any], path: Path) -> None:
+    """Layers x methods damage, one panel per budget (log colour scale of KL or NLL)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import LogNorm
+
+    select = profile.get("select_by", "kl")
+    panels = profile["damage"][select]
+    fig, axes = plt.subplots(1, len(panels), figsize=(1.2 + 0.55 * len(profile["methods"]) * len(panels), 0.22 * profile["n_layers"] + 2), squeeze=False)
+    for ax, (key, damage) in zip(axes[0], panels.items()):
+        data = torch.tensor(damage).clamp_min(1e-6).numpy()
+        im = ax.imshow(data, aspect="auto", cmap="viridis", norm=LogNorm(vmin=data.min(), vmax=max(data.max(), data.min() * 1.01)))
+        best = best_methods(damage, profile["methods"])
+        for layer, m in enumerate(best):
+            ax.add_patch(plt.Rectangle((profile["methods"].index(m) - 0.5, layer - 0.5), 1, 1, fill=False, ec="red", lw=1))
+        ax.set_xticks(range(len(profile["methods"])), profile["methods"], rotation=60, ha="right", fontsize=8)
+        ax.set_ylabel("layer")
+        ax.set_title(f"{select} damage, budget {json.loads(key)}", fontsize=9)
+        fig.colorbar(im, ax=ax, fraction=0.05)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------- the run
+
+
+def aggregate(config: ProfileConfig, model: str, n_layers: int, cells: list[dict]) -> dict[str, Any]:
+    """The profile document from per-sample damage rows (means over samples)."""
+    damage: dict[str, dict[str, list[list[float]]]] = {}
+    for kind in DAMAGES:
+        damage[kind] = {}
+        for b in config.budgets:
+            key = json.dumps(b)
+            mats = torch.tensor([c[kind][key] for c in cells])  # (S, L, M)
+            damage[kind][key] = mats.mean(0).tolist()
+    sens = {key: sensitivity(d) for key, d in damage[config.select_by].items()}
+    return {
+        "schema": SCHEMA,
+        "model": model,
+        "n_layers": n_layers,
+        "methods": list(config.methods),
+        "budgets": list(config.budgets),
+        "select_by": config.select_by,
+        "n_samples": len(cells),
+        "sample_ids": [c["sample_id"] for c in cells],
+        "damage": damage,
+        "sensitivity": sens,
+        "best": {key: best_methods(d, config.methods) for key, d in damage[config.select_by].items()},
+        "config": to_dict(config),
+    }
+
+
+def run_profile(config: ProfileConfig, overwrite: bool = False, progress: bool = True) -> Path:
+    """Profile every (layer, method, budget) on the calibration samples; resumable."""
+    from tqdm import tqdm
+
+    from learnroute import _hf
+    from learnroute.bench import _atomic_write, append_jsonl, prepare_folder, read_jsonl
+    from learnroute.engine import Engine
+    from learnroute.models import load_model, model_name
+
+    out = prepare_folder(config, overwrite, is_main=True)
+    model, tokenizer = load_model(config.model)
+    name = model_name(model)
+    n_layers = len(_hf.attention_modules(model))
+    samples = [
+        s
+        for task, n in config.tasks.items()
+        for s in load_task(task, tokenizer, n, config.context_tokens, "calibration", config.seed)
+    ]
+    if any(s.split != "calibration" for s in samples):  # a programming error, never user input
+        raise RuntimeError("profiles must use calibration samples only")
+    existing = {r["id"] for r in read_jsonl(out / "samples.jsonl")}
+    append_jsonl(out / "samples.jsonl", [s.to_dict() for s in samples if s.id not in existing])
+    done = {c["sample_id"]: c for c in read_jsonl(out / "cells.jsonl")}
+    engine = Engine(model, tokenizer, query_aware=config.query_aware)
+    for s in tqdm(samples, desc="profile", unit="sample", disable=not progress):
+        if s.id in done:
+            continue
+        row = {"sample_id": s.id, **sample_damage(engine, s, config.budgets, config.methods)}
+        append_jsonl(out / "cells.jsonl", [row])
+        done[s.id] = row
+    profile = aggregate(config, name, n_layers, [done[s.id] for s in samples])
+    _atomic_write(out / "profile.json", json.dumps(profile, indent=1) + "\n")
+    heatmap(profile, out / "heatmap.png")
+    for stem, route in build_routes(profile, model=name, n_layers=n_layers, methods=config.methods).items():
+        route.to_file(out / f"{stem}.json")
+    return out
+
+
+def load_profile(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if path.is_dir():
+        path = path / "profile.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"profile {path} not found (run `learnroute profile` first)")
+    return json.loads(path.read_text())

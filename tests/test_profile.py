@@ -1,0 +1,174 @@
+"""Offline profiles: damage matrices, planted bad layers, routes from profiles."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import learnroute as lr
+from learnroute import _hf
+from learnroute.config import ConfigError, load_config
+from learnroute.engine import Engine
+from learnroute.methods.base import Method
+from learnroute.methods.registry import register_method, unregister_method
+from learnroute.methods.scorers import H2O
+from learnroute.profile import ProfileConfig, answer_text, build_routes, run_profile, sample_damage
+from learnroute.route import RouteError
+from learnroute.tasks import make_samples
+from tests.conftest import make_tiny
+
+BAD_LAYERS = {1, 3}
+
+
+@dataclass
+class PlantedWorst(Method):
+    """H2O, except in BAD_LAYERS where it keeps the *least* attended tokens (test only).
+
+    At a budget of 0.9 H2O drops the tokens that received the least attention and this
+    method drops those that received the most; on the tiny random models the KL damage
+    of the latter is 4-10x larger (seeds 0-3 measured), a wide margin for the test.
+    """
+
+    name = "planted_worst"
+
+    def score(self, layer, n_kept=None):
+        s = H2O().score(layer)
+        return -s if layer.module.layer_idx in BAD_LAYERS else s
+
+
+@pytest.fixture
+def planted():
+    register_method(PlantedWorst)
+    yield "planted_worst"
+    unregister_method("planted_worst")
+
+
+@pytest.fixture(scope="module")
+def calib(tokenizer):
+    return make_samples("niah_single_1", tokenizer, 2, 300, "calibration", seed=0)
+
+
+def test_cell_equals_compressing_one_layer_in_a_full_forward(tiny, tokenizer, calib):
+    """The restart-at-layer shortcut gives the damage of a real forward with one layer compressed."""
+    engine = Engine(tiny, tokenizer)
+    sample = calib[0]
+    methods = ["snapkv", "knorm", "streaming_llm"]
+    damage = sample_damage(engine, sample, [24], methods)
+    prompt = engine.encode(sample.context, sample.question, sample.answer_prefix)
+    prefill = engine.prefill(prompt)
+    answer = tokenizer.encode(answer_text(sample), return_tensors="pt", add_special_tokens=False)
+    ids = torch.cat([prompt.question_ids, answer], 1)
+    n, q, a = prefill.n_tokens, prompt.question_ids.shape[1], answer.shape[1]
+    pos = torch.arange(n, n + q + a).unsqueeze(0)
+
+    def logp(route):
+        cache = _hf.build_cache(tiny, engine.compress(prefill, [route]))
+        with _hf.routed_attention(tiny), torch.no_grad():
+            logits = tiny(input_ids=ids, past_key_values=cache, position_ids=pos).logits
+        return torch.log_softmax(logits[0, q - 1 : q + a - 1].float(), -1)
+
+    L = engine.n_layers
+    ref = logp(lr.Route.full(L))
+    for layer in range(L):
+        for j, m in enumerate(methods):
+            names = ["full"] * L
+            names[layer] = m
+            budgets = [1.0] * L
+            budgets[layer] = 24
+            got = logp(lr.Route.from_layers(names, budgets))
+            kl = (ref.exp() * (ref - got)).sum(-1).mean().item()
+            assert damage["kl"]["24"][layer][j] == pytest.approx(kl, rel=1e-3, abs=1e-6)
+            nll = (-got.gather(-1, answer[0][:, None]).mean() + ref.gather(-1, answer[0][:, None]).mean()).item()
+            assert damage["nll"]["24"][layer][j] == pytest.approx(nll, rel=1e-3, abs=1e-5)
+
+
+def _profile_config(tmp_path, tiny_dir, **over):
+    items = [
+        f"model={tiny_dir}",
+        "tasks={niah_single_1: 2}",
+        "context_tokens=300",
+        "budgets=[16]",
+        f"output={tmp_path / 'profile'}",
+    ] + [f"{k}={v}" for k, v in over.items()]
+    return load_config(ProfileConfig, None, items)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, tokenizer):
+    path = tmp_path_factory.mktemp("tiny-profile")
+    make_tiny(tokenizer).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_profile_avoids_a_method_exactly_where_it_is_bad(planted, tiny_dir, tmp_path):
+    cfg = _profile_config(tmp_path, tiny_dir, methods=f"[{planted}, h2o]", budgets="[0.9, 16]")
+    out = run_profile(cfg, progress=False)
+    profile = json.loads((out / "profile.json").read_text())
+    # Outside BAD_LAYERS both keep the same tokens (a tie, which goes to the first listed).
+    expected = ["h2o" if layer in BAD_LAYERS else planted for layer in range(4)]
+    assert profile["best"]["0.9"] == expected
+    route = lr.Route.from_file(out / "profile_0.9.json")
+    assert route.methods == expected and set(route.budgets) == {0.9}
+    assert route.provenance["source"] == "profile"
+    alloc = lr.Route.from_file(out / "profile_16_alloc.json")
+    assert sum(alloc.budgets) == pytest.approx(16 * 4, abs=4)  # same total up to rounding
+    sens = profile["sensitivity"]["16"]
+    assert alloc.budgets.index(max(alloc.budgets)) == sens.index(max(sens))  # most sensitive gets most
+    # the layers where the planted method is bad are exactly the ones with damage gaps
+    kl = profile["damage"]["kl"]["0.9"]
+    for layer in range(4):
+        gap = kl[layer][0] - kl[layer][1]
+        assert (gap > 0) == (layer in BAD_LAYERS)
+    assert (out / "heatmap.png").is_file()
+    ids = [json.loads(line)["id"] for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert all("/calibration/" in i for i in ids)
+
+
+def test_profile_routes_load_in_bench_and_routed_press(planted, tiny_dir, tmp_path, tokenizer):
+    from learnroute.bench import BenchConfig, read_jsonl, run_bench
+
+    out = run_profile(_profile_config(tmp_path, tiny_dir, methods="[knorm, h2o]"), progress=False)
+    bench = load_config(
+        BenchConfig,
+        None,
+        [f"model={tiny_dir}", "tasks={niah_single_1: 1}", "context_tokens=300", "budgets=[16]",
+         f"routes=[{out}/profile_*.json]", "max_new_tokens=3", f"output={tmp_path / 'bench'}"],
+    )
+    run_bench(bench)
+    rows = read_jsonl(tmp_path / "bench" / "results.jsonl")
+    assert {r["route"] for r in rows} == {f"{out}/profile_16.json", f"{out}/profile_16_alloc.json"}
+    # and in kvpress's own pipeline
+    from transformers import pipeline
+
+    model, tok = lr.load_model(tiny_dir)
+    route = lr.Route.from_file(out / "profile_16_alloc.json")
+    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tok, device="cpu")
+    sample = make_samples("niah_single_1", tok, 1, 300, "eval")[0]
+    with lr.routed_attention(model):
+        res = pipe(sample.context, question=sample.question, press=lr.RoutedPress(route), max_new_tokens=3)
+    assert isinstance(res["answer"], str)
+
+
+def test_profile_refused_for_another_model_or_method_set(planted, tiny_dir, tmp_path):
+    out = run_profile(_profile_config(tmp_path, tiny_dir, methods="[knorm, h2o]"), progress=False)
+    profile = json.loads((out / "profile.json").read_text())
+    with pytest.raises(RouteError, match="profile has 4 layers but the model has 30"):
+        build_routes(profile, model=profile["model"], n_layers=30)
+    with pytest.raises(RouteError, match="made for model"):
+        build_routes(profile, model="SmolLM2-135M-Instruct", n_layers=4)
+    with pytest.raises(RouteError, match="covers methods"):
+        build_routes(profile, model=profile["model"], n_layers=4, methods=["snapkv", "tova"])
+
+
+def test_profile_bad_input():
+    with pytest.raises(ConfigError, match="calibration set is empty"):
+        load_config(ProfileConfig, None, ["tasks={}"])
+    with pytest.raises(ConfigError) as e:
+        load_config(ProfileConfig, None, ["methods=[snapkv, nope]", "select_by=loss", "tasks={longbench/trec: 2}"])
+    msg = str(e.value)
+    assert "unknown candidate method 'nope'" in msg and "select_by must be one of kl, nll" in msg
+    assert "LongBench is evaluation data only" in msg
