@@ -14,6 +14,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "show": ("print a route file as a per-layer table", "learnroute.route_cli:show"),
     "bench": ("evaluate routes x budgets x tasks into a run folder", "learnroute.commands:bench"),
     "profile": ("per-layer damage profile on calibration data -> profile-guided routes", "learnroute.commands:profile"),
+    "placement": ("rank a route among random placements of its methods", "learnroute.commands:placement"),
     "report": ("rewrite (and re-score) a bench folder's summary and plot", "learnroute.commands:report"),
 }
 

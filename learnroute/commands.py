@@ -69,3 +69,19 @@ def profile(argv: list[str]) -> int:
         parser.exit(2, f"learnroute profile: error: {e}\n")
     print(f"profile in {out}: profile.json, heatmap.png, profile_<budget>[_alloc].json", file=sys.stderr)
     return 0
+
+
+def placement(argv: list[str]) -> int:
+    """Rank a route among random placements of the same methods across layers."""
+    from learnroute.placement import PlacementConfig, run_placement
+
+    parser = _config_parser("learnroute placement", placement.__doc__, PlacementConfig)
+    parser.add_argument("--overwrite", action="store_true", help="move a run with another config aside")
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(PlacementConfig, args.config, args.overrides)
+        out = run_placement(config, overwrite=args.overwrite)
+    except (ConfigError, RouteError, FileNotFoundError) as e:
+        parser.exit(2, f"learnroute placement: error: {e}\n")
+    print(Path(out, "placement.md").read_text())
+    return 0

@@ -172,3 +172,39 @@ def test_profile_bad_input():
     msg = str(e.value)
     assert "unknown candidate method 'nope'" in msg and "select_by must be one of kl, nll" in msg
     assert "LongBench is evaluation data only" in msg
+
+
+def test_placement_study_ranks_the_given_route(tiny_dir, tmp_path):
+    from learnroute.bench import read_jsonl
+    from learnroute.cli import main
+    from learnroute.placement import draw_placements, n_distinct_placements
+    from learnroute.report import summarize
+
+    route = lr.Route.from_layers(["snapkv", "snapkv", "knorm", "streaming_llm"], 32, model="tiny", source="test")
+    placements = draw_placements(route, 100, seed=3)
+    # 4!/2! = 12 placements exist; the given one is excluded, the rest are distinct
+    assert n_distinct_placements(route.methods) == 12 and len(placements) == 11
+    assert len({tuple(p.methods) for p in placements} | {tuple(route.methods)}) == 12
+    assert all(sorted(p.methods) == sorted(route.methods) and p.budgets == route.budgets for p in placements)
+    assert [p.methods for p in draw_placements(route, 5, seed=3)] == [p.methods for p in placements[:5]]
+
+    route.to_file(tmp_path / "given.json")
+    out = tmp_path / "placement"
+    argv = ["placement", f"route={tmp_path / 'given.json'}", "n_placements=5", f"model={tiny_dir}",
+            "tasks={niah_single_1: 2}", "context_tokens=200", "max_new_tokens=3", f"output={out}"]
+    assert main(argv) == 0
+    result = json.loads((out / "placement.json").read_text())
+    assert result["of"] == 6 and 1 <= result["rank"] <= 6 and len(result["placement_scores"]) == 5
+    rows = read_jsonl(out / "results.jsonl")
+    assert len(rows) == 2 * (6 + 1)  # 2 samples x (given + 5 placements + full)
+    assert (out / "placement.png").is_file() and "rank" in (out / "placement.md").read_text()
+    before = (out / "summary.csv").read_text()
+    summarize(out, rescore=True)  # a placement folder re-scores like any bench folder
+    assert (out / "summary.csv").read_text() == before
+    # a rerun resumes (nothing recomputed); another draw in the same folder is refused
+    assert main(argv) == 0 and len(read_jsonl(out / "results.jsonl")) == len(rows)
+    with pytest.raises(RouteError, match="exists with another route"):
+        from learnroute.config import load_config as lc
+        from learnroute.placement import PlacementConfig, run_placement
+
+        run_placement(lc(PlacementConfig, None, argv[1:] + ["placement_seed=9"]))
