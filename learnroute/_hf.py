@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -171,21 +171,28 @@ def forward_from_layer(
     hidden: torch.Tensor,
     cache: DynamicCache,
     position_ids: torch.Tensor,
-    keep: slice = slice(None),
+    keep: slice | torch.Tensor = slice(None),
+    masks: Callable[[int], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Run decoder layers ``start..L-1`` on ``hidden`` (B, t, D), then the final norm and
     LM head on positions ``keep``; returns logits (B, t_kept, V).
 
     Layers below ``start`` are skipped: their outputs for these tokens are given by
     ``hidden`` (used when only layers >= start differ from a reference run). ``cache``
-    needs entries for layers >= start only. Run inside :func:`routed_attention`.
+    needs entries for layers >= start only. ``masks(layer)`` may give each layer's
+    boolean mask (B or 1, 1, t, keys), True = attend; without it the causal mask aligned
+    to the end of the keys is used. Run inside :func:`routed_attention`.
     """
     lm = language_model(model)
+    eager = attn_implementation(model).endswith("eager")
     position_embeddings = lm.rotary_emb(hidden, position_ids=position_ids)  # cos, sin: (B, t, d)
-    for layer in decoder_layers(model)[start:]:
+    for i, layer in enumerate(decoder_layers(model)[start:], start):
+        mask = None if masks is None else masks(i)
+        if mask is not None and eager:  # eager attention adds its mask: make it additive
+            mask = torch.zeros(mask.shape, dtype=hidden.dtype).masked_fill(~mask, torch.finfo(hidden.dtype).min)
         out = layer(
             hidden,
-            attention_mask=None,
+            attention_mask=mask,
             position_ids=position_ids,
             past_key_values=cache,
             use_cache=True,

@@ -1,42 +1,67 @@
-"""Argument parsing for the config-driven verbs (``bench``, ``report``); the work happens
-in the library modules they call."""
+"""Argument parsing for the config-driven verbs (``bench``, ``profile``, ``placement``,
+``report``); the work happens in the library modules they call."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from learnroute.config import ConfigError, describe, load_config
 from learnroute.route import RouteError
 
 
-def _config_parser(prog: str, doc: str | None, cls: type) -> argparse.ArgumentParser:
+def _run_config_command(
+    verb: str, doc: str | None, cls: type, runner: Callable, argv: list[str], done: Callable[[Path], str]
+) -> int:
+    """``learnroute VERB --config FILE [--overwrite] [key=value ...]``: load, run, report."""
     parser = argparse.ArgumentParser(
-        prog=prog,
+        prog=f"learnroute {verb}",
         description=doc,
         epilog="config keys (YAML or key=value overrides, which win):\n" + describe(cls),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--config", help="YAML config file (defaults are used for missing keys)")
+    parser.add_argument("--overwrite", action="store_true", help="move a run with another config aside")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="override config keys")
-    return parser
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(cls, args.config, args.overrides)
+        out = runner(config, overwrite=args.overwrite)
+    except (ConfigError, RouteError, FileNotFoundError) as e:
+        parser.exit(2, f"learnroute {verb}: error: {e}\n")
+    print(done(out), file=sys.stderr)
+    return 0
 
 
 def bench(argv: list[str]) -> int:
     """Evaluate routes x budgets x tasks into a run folder (resumable; shards under torchrun)."""
     from learnroute.bench import BenchConfig, run_bench
 
-    parser = _config_parser("learnroute bench", bench.__doc__, BenchConfig)
-    parser.add_argument("--overwrite", action="store_true", help="move a run with another config aside")
-    args = parser.parse_args(argv)
-    try:
-        config = load_config(BenchConfig, args.config, args.overrides)
-        out = run_bench(config, overwrite=args.overwrite)
-    except (ConfigError, RouteError, FileNotFoundError) as e:
-        parser.exit(2, f"learnroute bench: error: {e}\n")
-    print(f"results in {out}: summary.md, summary.csv, plot.png", file=sys.stderr)
-    return 0
+    return _run_config_command(
+        "bench", bench.__doc__, BenchConfig, run_bench, argv, lambda out: f"results in {out}: summary.md, plot.png"
+    )
+
+
+def profile(argv: list[str]) -> int:
+    """Per-layer x method damage on calibration samples -> heatmap and profile-guided routes."""
+    from learnroute.profile import ProfileConfig, run_profile
+
+    return _run_config_command(
+        "profile", profile.__doc__, ProfileConfig, run_profile, argv,
+        lambda out: f"profile in {out}: profile.json, heatmap.png, profile_<budget>[_alloc].json",
+    )
+
+
+def placement(argv: list[str]) -> int:
+    """Rank a route among random placements of the same methods across layers."""
+    from learnroute.placement import PlacementConfig, run_placement
+
+    return _run_config_command(
+        "placement", placement.__doc__, PlacementConfig, run_placement, argv,
+        lambda out: Path(out, "placement.md").read_text(),
+    )
 
 
 def report(argv: list[str]) -> int:
@@ -52,36 +77,4 @@ def report(argv: list[str]) -> int:
     except (FileNotFoundError, ValueError) as e:
         parser.exit(2, f"learnroute report: error: {e}\n")
     print(Path(args.folder, "summary.md").read_text())
-    return 0
-
-
-def profile(argv: list[str]) -> int:
-    """Per-layer x method damage on calibration samples -> heatmap and profile-guided routes."""
-    from learnroute.profile import ProfileConfig, run_profile
-
-    parser = _config_parser("learnroute profile", profile.__doc__, ProfileConfig)
-    parser.add_argument("--overwrite", action="store_true", help="move a run with another config aside")
-    args = parser.parse_args(argv)
-    try:
-        config = load_config(ProfileConfig, args.config, args.overrides)
-        out = run_profile(config, overwrite=args.overwrite)
-    except (ConfigError, RouteError, FileNotFoundError) as e:
-        parser.exit(2, f"learnroute profile: error: {e}\n")
-    print(f"profile in {out}: profile.json, heatmap.png, profile_<budget>[_alloc].json", file=sys.stderr)
-    return 0
-
-
-def placement(argv: list[str]) -> int:
-    """Rank a route among random placements of the same methods across layers."""
-    from learnroute.placement import PlacementConfig, run_placement
-
-    parser = _config_parser("learnroute placement", placement.__doc__, PlacementConfig)
-    parser.add_argument("--overwrite", action="store_true", help="move a run with another config aside")
-    args = parser.parse_args(argv)
-    try:
-        config = load_config(PlacementConfig, args.config, args.overrides)
-        out = run_placement(config, overwrite=args.overwrite)
-    except (ConfigError, RouteError, FileNotFoundError) as e:
-        parser.exit(2, f"learnroute placement: error: {e}\n")
-    print(Path(out, "placement.md").read_text())
     return 0

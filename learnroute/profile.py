@@ -20,6 +20,7 @@ across layers in proportion to each layer's sensitivity (its damage with its bes
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -130,9 +131,16 @@ def sample_damage(engine, sample: Sample, budgets: list[Budget], methods: list[s
     ref_logp = torch.log_softmax(logits[0, keep].float(), -1)  # (a, V)
     ref_nll = -ref_logp.gather(-1, target[:, None]).mean()
     L, M = engine.n_layers, len(methods)
+    t_scores = time.perf_counter()
+    kept = {
+        (layer, m, budget): engine.kept_indices(prefill, layer, m, resolve_budget(budget, n))  # (1, H_kv, k)
+        for budget in budgets
+        for layer in range(L)
+        for m in methods
+    }
+    t_cells = time.perf_counter()
     out: dict[str, Any] = {"kl": {}, "nll": {}, "n_tokens": n, "answer_tokens": a}
     for budget in budgets:
-        k = resolve_budget(budget, n)
         kl = torch.zeros(L, M)
         nll = torch.zeros(L, M)
         for layer in range(L):
@@ -140,7 +148,7 @@ def sample_damage(engine, sample: Sample, budgets: list[Budget], methods: list[s
             rows: list[torch.Tensor] = []
             row_of: list[int] = []
             for m in methods:
-                idx = engine.kept_indices(prefill, layer, m, min(k, n))  # (1, H_kv, k)
+                idx = kept[(layer, m, budget)]  # (1, H_kv, k)
                 for r, other in enumerate(rows):
                     if other.shape == idx.shape and torch.equal(other, idx):
                         row_of.append(r)
@@ -149,23 +157,7 @@ def sample_damage(engine, sample: Sample, budgets: list[Budget], methods: list[s
                     row_of.append(len(rows))
                     rows.append(idx)
             R = len(rows)
-            cap = prefill.layers[layer]
-            d = cap.keys.shape[-1]
-            gidx = torch.cat(rows).unsqueeze(-1).expand(-1, -1, -1, d)  # (R, H_kv, k, d)
-            kv = []
-            for j, (keys, values) in enumerate(full_kv):
-                if j < layer:
-                    empty = keys[:, :, :0].expand(R, -1, -1, -1)  # (R, H_kv, 0, d): never read
-                    kv.append((empty, empty))
-                elif j == layer:
-                    kv.append((keys.expand(R, -1, -1, -1).gather(2, gidx), values.expand(R, -1, -1, -1).gather(2, gidx)))
-                else:
-                    kv.append((keys.expand(R, -1, -1, -1), values.expand(R, -1, -1, -1)))  # (R, H_kv, n, d)
-            hidden = inputs[layer].expand(R, -1, -1)  # (R, t, D)
-            with _hf.routed_attention(model):
-                cell_logits = _hf.forward_from_layer(
-                    model, layer, hidden, _hf.build_cache(model, kv), pos.expand(R, -1), keep
-                )  # (R, a, V)
+            cell_logits = _packed_cells(model, prefill, full_kv, layer, rows, inputs[layer], pos, keep)  # (R, a, V)
             logp = torch.log_softmax(cell_logits.float(), -1)  # (R, a, V)
             row_kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1).mean(-1)  # (R,)
             row_nll = -logp.gather(-1, target[None, :, None].expand(R, -1, 1)).squeeze(-1).mean(-1) - ref_nll  # (R,)
@@ -173,7 +165,62 @@ def sample_damage(engine, sample: Sample, budgets: list[Budget], methods: list[s
             nll[layer] = row_nll[row_of]
         out["kl"][json.dumps(budget)] = kl.tolist()
         out["nll"][json.dumps(budget)] = nll.tolist()
+    out["seconds"] = {
+        "prefill": prefill.seconds,
+        "scores": t_cells - t_scores,
+        "cells": time.perf_counter() - t_cells,
+    }
     return out
+
+
+def _packed_cells(model, prefill, full_kv, layer: int, rows: list[torch.Tensor], hidden, pos, keep: slice):
+    """Logits (R, a, V) of R cells that compress ``layer`` with R kept-index sets.
+
+    The R cells run as ONE sequence of R x t tokens rather than a batch of R: every layer
+    above ``layer`` then holds the shared full context once instead of R copies (copying
+    it dominated the cost), and a block mask keeps the cells apart: a cell's tokens see the
+    context (at ``layer``: only its own kept tokens) and the earlier tokens of the same
+    cell. Positions repeat per cell, so each cell sees exactly what a separate run would.
+    """
+    from learnroute import _hf
+
+    R, t = len(rows), hidden.shape[1]
+    cap = prefill.layers[layer]
+    _, h_kv, n, d = cap.keys.shape
+    k = rows[0].shape[-1]
+    gidx = torch.cat(rows).unsqueeze(-1).expand(-1, -1, -1, d)  # (R, H_kv, k, d)
+    # (R, H_kv, k, d) -> (1, H_kv, R*k, d): cell r's kept tokens are keys r*k .. r*k+k-1
+    kept_k = cap.keys.expand(R, -1, -1, -1).gather(2, gidx).transpose(0, 1).reshape(1, h_kv, R * k, d)
+    kept_v = cap.values.expand(R, -1, -1, -1).gather(2, gidx).transpose(0, 1).reshape(1, h_kv, R * k, d)
+    kv = []
+    for j, (keys, values) in enumerate(full_kv):
+        if j < layer:
+            kv.append((keys[:, :, :0], values[:, :, :0]))  # (1, H_kv, 0, d): never read
+        elif j == layer:
+            kv.append((kept_k, kept_v))
+        else:
+            kv.append((keys, values))  # (1, H_kv, n, d), shared by every cell
+    cell = torch.arange(R).repeat_interleave(t)  # (R*t,) cell of each packed token
+    step = torch.arange(t).repeat(R)  # (R*t,) position inside its cell
+    own = (cell[:, None] == cell[None, :]) & (step[None, :] <= step[:, None])  # (R*t, R*t) causal per cell
+    ctx_full = torch.ones(R * t, n, dtype=torch.bool)  # (R*t, n)
+    ctx_kept = cell[:, None] == torch.arange(R).repeat_interleave(k)[None, :]  # (R*t, R*k)
+    mask_full = torch.cat([ctx_full, own], 1)[None, None]  # (1, 1, R*t, n + R*t)
+    mask_layer = torch.cat([ctx_kept, own], 1)[None, None]  # (1, 1, R*t, R*k + R*t)
+    packed = hidden.expand(R, -1, -1).reshape(1, R * t, -1)  # (1, R*t, D)
+    positions = pos.repeat(1, R)  # (1, R*t)
+    offsets = (torch.arange(R)[:, None] * t + torch.arange(keep.start, keep.stop)[None, :]).reshape(-1)  # (R*a,)
+    with _hf.routed_attention(model):
+        logits = _hf.forward_from_layer(
+            model,
+            layer,
+            packed,
+            _hf.build_cache(model, kv),
+            positions,
+            offsets,
+            masks=lambda i: mask_layer if i == layer else mask_full,
+        )  # (1, R*a, V)
+    return logits.view(R, keep.stop - keep.start, -1)  # (R, a, V)
 
 
 # ---------------------------------------------------------------------------- routes from a profile

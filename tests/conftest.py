@@ -37,3 +37,12 @@ def tiny(tokenizer):
 def sample(tokenizer):
     """A ~300-token needle sample: long enough for every method's window."""
     return needle_sample(tokenizer, 300, depth=0.5, seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory, tokenizer):
+    """A tiny random 4-layer Llama saved as a HF folder, with the real tokenizer."""
+    path = tmp_path_factory.mktemp("tiny-llama")
+    make_tiny(tokenizer).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

@@ -16,18 +16,8 @@ from learnroute.bench import BenchConfig, read_jsonl, run_bench
 from learnroute.cli import main
 from learnroute.config import ConfigError, load_config
 from learnroute.report import summarize
-from tests.conftest import make_tiny
 
 ROUTES = ["full", "homogeneous:snapkv", "pyramid:tova", "homogeneous:streaming_llm"]
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, tokenizer):
-    """A tiny random 4-layer Llama saved as a HF folder, with the real tokenizer."""
-    path = tmp_path_factory.mktemp("tiny-llama")
-    make_tiny(tokenizer).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 def config_for(tiny_dir, out, **over) -> BenchConfig:

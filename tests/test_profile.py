@@ -18,7 +18,6 @@ from learnroute.methods.scorers import H2O
 from learnroute.profile import ProfileConfig, answer_text, build_routes, run_profile, sample_damage
 from learnroute.route import RouteError
 from learnroute.tasks import make_samples
-from tests.conftest import make_tiny
 
 BAD_LAYERS = {1, 3}
 
@@ -94,14 +93,6 @@ def _profile_config(tmp_path, tiny_dir, **over):
         f"output={tmp_path / 'profile'}",
     ] + [f"{k}={v}" for k, v in over.items()]
     return load_config(ProfileConfig, None, items)
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, tokenizer):
-    path = tmp_path_factory.mktemp("tiny-profile")
-    make_tiny(tokenizer).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 def test_profile_avoids_a_method_exactly_where_it_is_bad(planted, tiny_dir, tmp_path):
