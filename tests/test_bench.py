@@ -228,3 +228,14 @@ def test_longbench_tasks_from_local_files(tiny_dir, tmp_path):
 def test_missing_longbench_file_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="longbench/narrativeqa: LongBench file .*narrativeqa.jsonl not found"):
         load_config(BenchConfig, None, ["tasks={longbench/narrativeqa: 1}", f"longbench_dir={tmp_path}"])
+
+
+def test_wandb_logging_is_optional_and_offline(tiny_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    out = tmp_path / "run"
+    run_bench(config_for(tiny_dir, out, tasks="{niah_single_1: 1}", routes="[full]", wandb="true"))
+    assert list((out / "wandb").glob("offline-run-*/run-*.wandb"))
+    out2 = tmp_path / "run2"
+    run_bench(config_for(tiny_dir, out2, tasks="{niah_single_1: 1}", routes="[full]"))
+    assert not (out2 / "wandb").exists()  # off by default

@@ -199,3 +199,14 @@ def test_placement_study_ranks_the_given_route(tiny_dir, tmp_path):
         from learnroute.placement import PlacementConfig, run_placement
 
         run_placement(lc(PlacementConfig, None, argv[1:] + ["placement_seed=9"]))
+
+
+def test_calibration_samples_never_equal_eval_samples(tokenizer):
+    """What profile (calibration) and bench (eval) load for the same tasks and seed is disjoint."""
+    from learnroute.tasks.suite import load_task
+
+    for task in ["niah_single_2", "multihop_qa", "variable_tracking"]:
+        calib = load_task(task, tokenizer, 4, 300, "calibration", seed=0)
+        evals = load_task(task, tokenizer, 4, 300, "eval", seed=0)
+        assert not {s.context for s in calib} & {s.context for s in evals}
+        assert not {tuple(s.answers) for s in calib} & {tuple(s.answers) for s in evals}
