@@ -59,29 +59,14 @@ def make_routes(n_routes: int, budget: int, n_layers: int, seed: int):
     return routes[:n_routes]
 
 
-def kvpress_press(route, n_tokens: int):
+def baseline_press(route, n_tokens: int):
     """kvpress's own press for homogeneous kvpress-backed routes, else RoutedPress."""
-    import kvpress
-
     from learnroute import RoutedPress
+    from learnroute.methods import KVPRESS_METHODS, kvpress_press, resolve_budget
 
-    methods = set(route.methods)
-    budget = route.budgets[0]
-    ratio = 1 - (budget + 0.5) / n_tokens  # kvpress keeps int(n * (1 - ratio)) = budget
-    own = {
-        "snapkv": lambda: kvpress.SnapKVPress(compression_ratio=ratio),
-        "tova": lambda: kvpress.TOVAPress(compression_ratio=ratio),
-        "knorm": lambda: kvpress.KnormPress(compression_ratio=ratio),
-        "expected_attention": lambda: kvpress.ExpectedAttentionPress(compression_ratio=ratio),
-        "keydiff": lambda: kvpress.KeyDiffPress(compression_ratio=ratio),
-        "streaming_llm": lambda: kvpress.StreamingLLMPress(compression_ratio=ratio),
-    }
-    if len(methods) == 1 and (m := methods.pop()) in own:
-        return own[m](), True
-    if route.methods[0] == "critical_snapkv" and len(set(route.methods)) == 1:
-        press = kvpress.CriticalKVPress(kvpress.SnapKVPress())
-        press.compression_ratio = ratio
-        return press, True
+    methods, budgets = set(route.methods), set(route.budgets)
+    if len(methods) == 1 and len(budgets) == 1 and (m := methods.pop()) in KVPRESS_METHODS:
+        return kvpress_press(m, resolve_budget(budgets.pop(), n_tokens), n_tokens), True
     return RoutedPress(route), False
 
 
@@ -122,7 +107,7 @@ def side(which: str, n_routes: int, budget: int, tokens: int, max_new: int, samp
             idx = sorted(random.Random(1).sample(idx, sample_baseline))
         answers, own, times = {}, {}, []
         for i in idx:
-            press, is_own = kvpress_press(routes[i], n_tokens)
+            press, is_own = baseline_press(routes[i], n_tokens)
             t0 = time.perf_counter()
             with lr.routed_attention(model):  # only matters for RoutedPress with per-layer budgets
                 ans = pipe(sample.context, question=sample.question, answer_prefix=sample.answer_prefix,

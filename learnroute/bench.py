@@ -210,7 +210,6 @@ def resolve_routes(config: BenchConfig, n_layers: int, model: str) -> list[Cell]
 
 def versions() -> dict[str, Any]:
     """Library versions and the git commit of the learnroute checkout (if any)."""
-    import kvpress  # noqa: F401  (its version via importlib.metadata)
     import torch
     import transformers
     from importlib.metadata import version

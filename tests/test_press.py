@@ -4,6 +4,7 @@ from transformers import pipeline
 
 import learnroute as lr
 from learnroute import Engine, Route, RoutedPress
+from learnroute.methods import KVPRESS_METHODS, kvpress_press, resolve_budget
 
 
 @pytest.fixture(scope="module")
@@ -55,43 +56,32 @@ def kept_positions(cache_keys, full_keys):
     return match.float().argmax(-1).sort(-1).values
 
 
-KVPRESS_BACKED = {
-    "snapkv": lambda r: SnapKVPress(compression_ratio=r),
-    "tova": lambda r: TOVAPress(compression_ratio=r),
-    "knorm": lambda r: KnormPress(compression_ratio=r),
-}
-
-
-@pytest.mark.parametrize("method", ["snapkv", "tova", "knorm", "expected_attention", "keydiff", "critical_snapkv",
-                                    "streaming_llm"])
+@pytest.mark.parametrize("method", KVPRESS_METHODS)
 def test_engine_keeps_the_same_tokens_as_kvpress(tiny, tokenizer, sample, method):
-    import kvpress
     import torch
     from transformers import DynamicCache
 
-    makers = {
-        "expected_attention": lambda r: kvpress.ExpectedAttentionPress(compression_ratio=r),
-        "keydiff": lambda r: kvpress.KeyDiffPress(compression_ratio=r),
-        "streaming_llm": lambda r: kvpress.StreamingLLMPress(compression_ratio=r),
-        **KVPRESS_BACKED,
-    }
-
-    def critical(r):
-        press = kvpress.CriticalKVPress(SnapKVPress())
-        press.compression_ratio = r
-        return press
-
-    makers["critical_snapkv"] = critical
     engine = Engine(tiny, tokenizer)
     pre = engine.prefill(engine.encode(sample.context, sample.question))
     n = pre.n_tokens
     cache = DynamicCache(config=tiny.config)
-    with torch.no_grad(), makers[method](0.65)(tiny):
+    with torch.no_grad(), kvpress_press(method, resolve_budget(0.35, n), n)(tiny):
         tiny.model(input_ids=pre.prompt.context_ids, past_key_values=cache)
-    n_kept = Route.homogeneous(method, 4, 0.35)
-    kept = engine.kept_counts(n_kept, n)
+    kept = engine.kept_counts(Route.homogeneous(method, 4, 0.35), n)
     for layer in range(4):
         assert cache.layers[layer].keys.shape[2] == kept[layer]
         theirs = kept_positions(cache.layers[layer].keys, pre.layers[layer].keys)
         ours = engine.kept_indices(pre, layer, method, kept[layer])[0]
         assert torch.equal(ours, theirs), f"layer {layer}"
+
+
+def test_kvpress_press_keeps_the_resolved_count_and_names_what_it_supports():
+    from kvpress.utils import compute_n_kept
+
+    for method in KVPRESS_METHODS:
+        for n in range(65, 3000, 37):
+            for budget in (1, 64, 256, 0.3, 0.35, 1.0):
+                k = resolve_budget(budget, n)
+                assert compute_n_kept(n, kvpress_press(method, k, n).compression_ratio) == k, (method, n, budget)
+    with pytest.raises(ValueError, match="supported: snapkv, tova"):
+        kvpress_press("h2o", 8, 100)

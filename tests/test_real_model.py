@@ -1,39 +1,23 @@
 """A few purposeful checks on the default model (SmolLM2-135M-Instruct, 30 layers)."""
 
 import pytest
-from kvpress import (
-    CriticalKVPress,
-    ExpectedAttentionPress,
-    KeyDiffPress,
-    KnormPress,
-    SnapKVPress,
-    StreamingLLMPress,
-    TOVAPress,
-)
 from transformers import pipeline
 
 from learnroute import Engine, Route, RoutedPress
 from learnroute.demo import needle_sample
+from learnroute.methods import KVPRESS_METHODS, kvpress_press, resolve_budget
 
-KEPT = 0.3  # fraction kept; kvpress compression_ratio = 0.7
-
-KVPRESS = {
-    "snapkv": lambda: SnapKVPress(compression_ratio=1 - KEPT),
-    "tova": lambda: TOVAPress(compression_ratio=1 - KEPT),
-    "knorm": lambda: KnormPress(compression_ratio=1 - KEPT),
-    "expected_attention": lambda: ExpectedAttentionPress(compression_ratio=1 - KEPT),
-    "keydiff": lambda: KeyDiffPress(compression_ratio=1 - KEPT),
-    "streaming_llm": lambda: StreamingLLMPress(compression_ratio=1 - KEPT),
-}
+KEPT = 0.3  # fraction kept (kvpress compression_ratio 0.7 keeps the same count)
 
 
-def critical():
-    press = CriticalKVPress(SnapKVPress())
-    press.compression_ratio = 1 - KEPT
-    return press
+def n_context(engine, sample) -> int:
+    """Context tokens kvpress's pipeline compresses (the engine tokenizes the same way)."""
+    return engine.encode(sample.context, sample.question).context_ids.shape[1]
 
 
-KVPRESS["critical_snapkv"] = critical
+def kvpress_at_kept(method, n):
+    """kvpress's press keeping what Route.homogeneous(method, 30, KEPT) keeps of n tokens."""
+    return kvpress_press(method, resolve_budget(KEPT, n), n)
 
 
 @pytest.fixture(scope="module")
@@ -50,9 +34,10 @@ def samples(tokenizer):
 def test_engine_is_token_identical_to_kvpress_pipeline(smol, pipe, samples):
     model, tok = smol
     engine = Engine(model, tok, max_new_tokens=12)
-    routes = [Route.full(30)] + [Route.homogeneous(m, 30, KEPT) for m in KVPRESS]
-    presses = [None] + [make() for make in KVPRESS.values()]
+    routes = [Route.full(30)] + [Route.homogeneous(m, 30, KEPT) for m in KVPRESS_METHODS]
     for s in samples:
+        n = n_context(engine, s)
+        presses = [None] + [kvpress_at_kept(m, n) for m in KVPRESS_METHODS]
         results = engine.run(s.context, s.question, routes, answer_prefix=s.answer_prefix)
         for res, press in zip(results, presses):
             ref = pipe(s.context, question=s.question, answer_prefix=s.answer_prefix, press=press, max_new_tokens=12)
@@ -61,11 +46,12 @@ def test_engine_is_token_identical_to_kvpress_pipeline(smol, pipe, samples):
         assert s.answer in results[0].answer
 
 
-def test_routed_press_homogeneous_matches_kvpress_on_the_default_model(pipe, samples):
+def test_routed_press_homogeneous_matches_kvpress_on_the_default_model(smol, pipe, samples):
     s = samples[0]
+    n = n_context(Engine(*smol), s)
     for method in ("snapkv", "tova"):
         ours = pipe(s.context, question=s.question, answer_prefix=s.answer_prefix,
                     press=RoutedPress(Route.homogeneous(method, 30, KEPT)), max_new_tokens=12)
         theirs = pipe(s.context, question=s.question, answer_prefix=s.answer_prefix,
-                      press=KVPRESS[method](), max_new_tokens=12)
+                      press=kvpress_at_kept(method, n), max_new_tokens=12)
         assert ours["answer"] == theirs["answer"]
