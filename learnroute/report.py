@@ -137,18 +137,19 @@ def to_markdown(table: list[dict]) -> str:
             "(marked `*`): eviction cannot be judged there.",
             "",
         ]
+    only_full = all(json.loads(b) is None for b in budgets)
     for b in budgets:
         budget = json.loads(b)
-        if budget is None:
-            continue
+        if budget is None and not only_full:
+            continue  # the full cache is a row of every budget's table
         label = _budget_label(budget)
         routes = list(dict.fromkeys(t["route"] for t in table if _budget_label(t["budget"]) == label))
         head = ["route"] + [f"{t}{'*' if t in flagged else ''}" for t in tasks] + ["avg"]
         head += ["avg (solved)"] if has_valid else []
         head += ["rel. to full", "KV kept"]
-        lines += [f"## Budget {label}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        lines += [f"## Budget {label}" if budget is not None else "## Full cache", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         rows = [("full", "full")] if full_rows else []
-        rows += [(r, label) for r in routes]
+        rows += [(r, label) for r in routes if not (r == "full" and label == "full")]
         for route, lab in rows:
             vals = [route]
             for task in tasks + [AVG] + ([AVG_VALID] if has_valid else []):

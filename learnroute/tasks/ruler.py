@@ -216,7 +216,8 @@ def _vocabulary() -> list[str]:
     if _WORDS is None:
         seen: dict[str, None] = {}
         for s in prose_sentences():
-            for w in re.findall(r"[a-z]{4,10}", s):
+            # Whole words only: without boundaries "membership" would yield "embership".
+            for w in re.findall(r"\b[a-z]{4,10}\b", s):
                 seen.setdefault(w, None)
         _WORDS = sorted(seen)
     return _WORDS
