@@ -236,18 +236,52 @@ def sensitivity(damage: list[list[float]]) -> list[float]:
     return [min(row) for row in damage]
 
 
-def allocate_by_sensitivity(sens: list[float], budget: Budget) -> list[Budget]:
-    """Per-layer budgets proportional to sensitivity with the same total (up to rounding).
+def allocate_by_sensitivity(
+    sens: list[float], budget: Budget, cap: int | None = None, floor_share: float = 0.05
+) -> list[Budget]:
+    """Per-layer budgets: a floor for every layer, the rest shared in proportion to
+    sensitivity, with the same total ``L x budget``.
 
-    A small floor (1 % of the mean sensitivity) keeps insensitive layers from dropping to
-    nothing; integer budgets stay >= 1, fractions are capped at 1.
+    Every layer first gets ``floor_share x budget`` (PyramidKV's smallest layer keeps
+    about budget / 20 as well): a layer that looked insensitive on calibration data is
+    not left with nothing. No layer gets more than ``cap`` (the profiled context length
+    for token budgets, 1.0 for fractions); what a capped layer cannot use goes to the
+    others in proportion to their sensitivity (water filling). Integer budgets are
+    rounded by largest remainder so the total stays exact.
     """
-    floor = 0.01 * (sum(sens) / len(sens)) + 1e-12
-    w = [max(s, 0.0) + floor for s in sens]
-    mean = sum(w) / len(w)
-    if isinstance(budget, float):
-        return [min(1.0, budget * x / mean) for x in w]
-    return [max(1, round(budget * x / mean)) for x in w]
+    L = len(sens)
+    is_frac = isinstance(budget, float)
+    limit = 1.0 if is_frac else float(cap if cap is not None else budget * L)
+    total = min(budget * L, limit * L)
+    floor = min(budget * floor_share, limit)
+    alloc = [floor] * L
+    weights = [max(s, 0.0) for s in sens]
+    extra = total - floor * L
+    active = set(range(L))
+    while extra > 1e-9 and active:
+        wsum = sum(weights[i] for i in active)
+        give = {i: extra * (weights[i] / wsum if wsum > 0 else 1 / len(active)) for i in active}
+        over = [i for i in active if alloc[i] + give[i] > limit]
+        if not over:
+            for i in active:
+                alloc[i] += give[i]
+            break
+        for i in over:  # fill capped layers, then share the rest again
+            extra -= limit - alloc[i]
+            alloc[i] = limit
+            active.discard(i)
+    if is_frac:
+        return alloc
+    ints = [max(1, int(a)) for a in alloc]
+    short = round(total) - sum(ints)
+    order = sorted(range(L), key=lambda i: alloc[i] - int(alloc[i]), reverse=True)
+    for i in order:  # largest remainders first, never above the cap
+        if short <= 0:
+            break
+        if ints[i] + 1 <= limit:
+            ints[i] += 1
+            short -= 1
+    return ints
 
 
 def build_routes(
@@ -278,7 +312,7 @@ def build_routes(
         sens = sensitivity(damage)
         prov = {"source": "profile", "budget": budget, "select_by": select, "samples": profile.get("n_samples")}
         routes[f"profile_{budget}"] = Route.from_layers(chosen, budget, model=profile.get("model"), **prov)
-        alloc = allocate_by_sensitivity(sens, budget)
+        alloc = allocate_by_sensitivity(sens, budget, cap=profile.get("n_tokens_min"))
         routes[f"profile_{budget}_alloc"] = Route.from_layers(
             chosen, alloc, model=profile.get("model"), **{**prov, "allocator": "sensitivity"}
         )
@@ -332,6 +366,7 @@ def aggregate(config: ProfileConfig, model: str, n_layers: int, cells: list[dict
         "budgets": list(config.budgets),
         "select_by": config.select_by,
         "n_samples": len(cells),
+        "n_tokens_min": min(c["n_tokens"] for c in cells),  # shortest context profiled
         "sample_ids": [c["sample_id"] for c in cells],
         "damage": damage,
         "sensitivity": sens,

@@ -210,3 +210,16 @@ def test_calibration_samples_never_equal_eval_samples(tokenizer):
         evals = load_task(task, tokenizer, 4, 300, "eval", seed=0)
         assert not {s.context for s in calib} & {s.context for s in evals}
         assert not {tuple(s.answers) for s in calib} & {tuple(s.answers) for s in evals}
+
+
+def test_sensitivity_allocation_keeps_the_total_floor_and_cap():
+    from learnroute.profile import allocate_by_sensitivity
+
+    sens = [0.5, 0.0, 0.01, 2.0]
+    alloc = allocate_by_sensitivity(sens, 100, cap=250)
+    assert sum(alloc) == 400 and max(alloc) <= 250  # same total, never above the context
+    assert min(alloc) >= 5  # floor: 5 % of the budget
+    assert alloc[3] == 250 and alloc[0] > alloc[2] > alloc[1] - 1  # capped layer's excess went to the others
+    frac = allocate_by_sensitivity(sens, 0.5)
+    assert sum(frac) == pytest.approx(2.0) and max(frac) <= 1.0
+    assert allocate_by_sensitivity([0.0] * 3, 7) == [7, 7, 7]  # no signal: uniform
