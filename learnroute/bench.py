@@ -138,7 +138,9 @@ def rescale(route: Route, budget: Budget) -> Route:
     """The route's methods with its per-layer budget shape rescaled to average ``budget``."""
     kinds = {isinstance(b, float) for b in route.budgets}
     if len(kinds) > 1:
-        raise RouteError("cannot rescale a route that mixes integer and fractional budgets; use route_file_budgets=file")
+        raise RouteError(
+            "cannot rescale a route that mixes integer and fractional budgets; use route_file_budgets=file"
+        )
     mean = sum(route.budgets) / route.n_layers
     shares = [b / mean for b in route.budgets]
     if isinstance(budget, float):
@@ -181,7 +183,9 @@ def resolve_routes(config: BenchConfig, n_layers: int, model: str) -> list[Cell]
         elif kind == "homogeneous":
             cells += [Cell(spec, b, Route.homogeneous(method, n_layers, b, model=model)) for b in config.budgets]
         elif kind == "pyramid":
-            cells += [Cell(spec, b, Route.allocated(method, n_layers, b, "pyramid", model=model)) for b in config.budgets]
+            cells += [
+                Cell(spec, b, Route.allocated(method, n_layers, b, "pyramid", model=model)) for b in config.budgets
+            ]
         else:
             for path in sorted(glob.glob(spec)):
                 route = Route.from_file(path)
@@ -218,13 +222,16 @@ def versions() -> dict[str, Any]:
 
     commit = None
     try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            cwd=Path(learnroute.__file__).parent,
-            capture_output=True,
-            text=True,
-            timeout=5,
-        ).stdout.strip() or None
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"],
+                cwd=Path(learnroute.__file__).parent,
+                capture_output=True,
+                text=True,
+                timeout=5,
+            ).stdout.strip()
+            or None
+        )
     except (OSError, subprocess.SubprocessError):
         pass
     return {
@@ -306,7 +313,9 @@ def prepare_folder(config: BenchConfig, overwrite: bool, is_main: bool) -> Path:
         old = yaml.safe_load(saved.read_text()) or {}
         if _comparable(old) != _comparable(resolved):
             if not overwrite:
-                diff = sorted(k for k in set(old) | set(resolved) if k not in _RESUME_FREE and old.get(k) != resolved.get(k))
+                diff = sorted(
+                    k for k in set(old) | set(resolved) if k not in _RESUME_FREE and old.get(k) != resolved.get(k)
+                )
                 raise ConfigError(
                     f"{out} holds a run with a different config (differs in: {', '.join(diff)}); "
                     "pass --overwrite to move it aside and start afresh, or choose another output"
@@ -396,7 +405,10 @@ def run_bench(config: BenchConfig, overwrite: bool = False) -> Path:
         for c in todo:
             if isinstance(c.budget, int) and c.budget >= n and (c.budget, task) not in warned:
                 warned.add((c.budget, task))
-                tqdm.write(f"note: budget {c.budget} >= context ({n} tokens) in {task}: the cache is kept whole", file=sys.stderr)
+                tqdm.write(
+                    f"note: budget {c.budget} >= context ({n} tokens) in {task}: the cache is kept whole",
+                    file=sys.stderr,
+                )
         engine.check_routes([c.route for c in todo], n)
         prefill = engine.prefill(prompt)
         results = engine.answer(prefill, [c.route for c in todo], max_new_tokens=max_new)
@@ -429,6 +441,12 @@ def run_bench(config: BenchConfig, overwrite: bool = False) -> Path:
         if wb is not None:
             import wandb
 
-            wb.log({"summary": wandb.Table(dataframe=None, columns=list(summary[0]), data=[list(r.values()) for r in summary])})
+            wb.log(
+                {
+                    "summary": wandb.Table(
+                        dataframe=None, columns=list(summary[0]), data=[list(r.values()) for r in summary]
+                    )
+                }
+            )
             wb.finish()
     return out

@@ -49,7 +49,11 @@ def profile(argv: list[str]) -> int:
     from learnroute.profile import ProfileConfig, run_profile
 
     return _run_config_command(
-        "profile", profile.__doc__, ProfileConfig, run_profile, argv,
+        "profile",
+        profile.__doc__,
+        ProfileConfig,
+        run_profile,
+        argv,
         lambda out: f"profile in {out}: profile.json, heatmap.png, profile_<budget>[_alloc].json",
     )
 
@@ -59,7 +63,11 @@ def placement(argv: list[str]) -> int:
     from learnroute.placement import PlacementConfig, run_placement
 
     return _run_config_command(
-        "placement", placement.__doc__, PlacementConfig, run_placement, argv,
+        "placement",
+        placement.__doc__,
+        PlacementConfig,
+        run_placement,
+        argv,
         lambda out: Path(out, "placement.md").read_text(),
     )
 

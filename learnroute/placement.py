@@ -134,7 +134,13 @@ def histogram(scores: list[float], given: float, full: float | None, path: Path)
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.5, 4))
-    ax.hist([100 * s for s in scores], bins=min(30, max(5, len(scores) // 3)), color="tab:blue", alpha=0.7, label="random placements")
+    ax.hist(
+        [100 * s for s in scores],
+        bins=min(30, max(5, len(scores) // 3)),
+        color="tab:blue",
+        alpha=0.7,
+        label="random placements",
+    )
     ax.axvline(100 * given, color="tab:red", lw=2, label="given route")
     if full is not None:
         ax.axvline(100 * full, color="black", ls="--", label="full cache")

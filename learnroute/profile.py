@@ -85,7 +85,9 @@ class ProfileConfig:
             problems.append("methods is empty; registered: " + ", ".join(METHODS))
         for m in self.methods:
             if m not in METHODS or m == "full":
-                problems.append(f"unknown candidate method {m!r}; registered: {', '.join(x for x in METHODS if x != 'full')}")
+                problems.append(
+                    f"unknown candidate method {m!r}; registered: {', '.join(x for x in METHODS if x != 'full')}"
+                )
         if len(set(self.methods)) != len(self.methods):
             problems.append("methods lists a method twice")
         if self.select_by not in DAMAGES:
@@ -114,7 +116,9 @@ def sample_damage(engine, sample: Sample, budgets: list[Budget], methods: list[s
     from learnroute import _hf
 
     model, tok = engine.model, engine.tokenizer
-    prompt = engine.encode(sample.context, sample.question, sample.answer_prefix, chat=sample.meta.get("chat_template", True))
+    prompt = engine.encode(
+        sample.context, sample.question, sample.answer_prefix, chat=sample.meta.get("chat_template", True)
+    )
     answer_ids = tok.encode(answer_text(sample), return_tensors="pt", add_special_tokens=False)  # (1, a)
     if answer_ids.shape[1] == 0:
         raise ValueError(f"sample {sample.id} has an empty reference answer: nothing to teacher-force")
@@ -329,13 +333,22 @@ def heatmap(profile: dict[str, Any], path: Path) -> None:
 
     select = profile.get("select_by", "kl")
     panels = profile["damage"][select]
-    fig, axes = plt.subplots(1, len(panels), figsize=(1.2 + 0.55 * len(profile["methods"]) * len(panels), 0.22 * profile["n_layers"] + 2), squeeze=False)
+    fig, axes = plt.subplots(
+        1,
+        len(panels),
+        figsize=(1.2 + 0.55 * len(profile["methods"]) * len(panels), 0.22 * profile["n_layers"] + 2),
+        squeeze=False,
+    )
     for ax, (key, damage) in zip(axes[0], panels.items()):
         data = torch.tensor(damage).clamp_min(1e-6).numpy()
-        im = ax.imshow(data, aspect="auto", cmap="viridis", norm=LogNorm(vmin=data.min(), vmax=max(data.max(), data.min() * 1.01)))
+        im = ax.imshow(
+            data, aspect="auto", cmap="viridis", norm=LogNorm(vmin=data.min(), vmax=max(data.max(), data.min() * 1.01))
+        )
         best = best_methods(damage, profile["methods"])
         for layer, m in enumerate(best):
-            ax.add_patch(plt.Rectangle((profile["methods"].index(m) - 0.5, layer - 0.5), 1, 1, fill=False, ec="red", lw=1))
+            ax.add_patch(
+                plt.Rectangle((profile["methods"].index(m) - 0.5, layer - 0.5), 1, 1, fill=False, ec="red", lw=1)
+            )
         ax.set_xticks(range(len(profile["methods"])), profile["methods"], rotation=60, ha="right", fontsize=8)
         ax.set_ylabel("layer")
         ax.set_title(f"{select} damage, budget {json.loads(key)}", fontsize=9)

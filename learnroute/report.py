@@ -147,7 +147,12 @@ def to_markdown(table: list[dict]) -> str:
         head = ["route"] + [f"{t}{'*' if t in flagged else ''}" for t in tasks] + ["avg"]
         head += ["avg (solved)"] if has_valid else []
         head += ["rel. to full", "KV kept"]
-        lines += [f"## Budget {label}" if budget is not None else "## Full cache", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        lines += [
+            f"## Budget {label}" if budget is not None else "## Full cache",
+            "",
+            "| " + " | ".join(head) + " |",
+            "|" + "---|" * len(head),
+        ]
         rows = [("full", "full")] if full_rows else []
         rows += [(r, label) for r in routes if not (r == "full" and label == "full")]
         for route, lab in rows:
@@ -178,11 +183,17 @@ def plot(table: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     avg = [t for t in table if t["task"] == AVG]
-    budgets = sorted({json.dumps(t["budget"]) for t in avg if t["budget"] is not None}, key=lambda b: _budget_order(json.loads(b)))
+    budgets = sorted(
+        {json.dumps(t["budget"]) for t in avg if t["budget"] is not None}, key=lambda b: _budget_order(json.loads(b))
+    )
     xs = {b: i for i, b in enumerate(budgets)}
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for route in dict.fromkeys(t["route"] for t in avg):
-        pts = sorted((xs[json.dumps(t["budget"])], 100 * t["score"]) for t in avg if t["route"] == route and t["budget"] is not None)
+        pts = sorted(
+            (xs[json.dumps(t["budget"])], 100 * t["score"])
+            for t in avg
+            if t["route"] == route and t["budget"] is not None
+        )
         if route == "full" or not pts:
             continue
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=route)

@@ -47,7 +47,15 @@ def run(tiny_dir, tmp_path_factory):
 
 def test_run_folder_contents(run):
     cfg, out = run
-    for name in ["config.yaml", "versions.json", "samples.jsonl", "results.jsonl", "summary.csv", "summary.md", "plot.png"]:
+    for name in [
+        "config.yaml",
+        "versions.json",
+        "samples.jsonl",
+        "results.jsonl",
+        "summary.csv",
+        "summary.md",
+        "plot.png",
+    ]:
         assert (out / name).is_file(), name
     assert yaml.safe_load((out / "config.yaml").read_text())["budgets"] == [16, 0.5]
     assert json.loads((out / "versions.json").read_text())["kvpress"] == "0.5.5"
@@ -128,7 +136,12 @@ def test_rescore_uses_predictions_and_references(run, tmp_path):
     (copy / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     table = summarize(copy, rescore=True)
     full = {t["task"]: t["score"] for t in table if t["route"] == "full"}
-    assert full == {"niah_single_1": 1.0, "multihop_qa": 1.0, "average": 1.0, "average (tasks the full cache solves)": 1.0}
+    assert full == {
+        "niah_single_1": 1.0,
+        "multihop_qa": 1.0,
+        "average": 1.0,
+        "average (tasks the full cache solves)": 1.0,
+    }
     others = {t["score"] for t in table if t["route"] != "full"}
     assert 0.77 not in others
 
@@ -145,7 +158,9 @@ def test_route_files_scaled_and_as_given(tiny_dir, tmp_path):
     n = row["n_tokens"]
     assert row["kv_fraction"] == pytest.approx((16 + 32 + 32 + 48) / (4 * n))  # shape x2, mean 32
     out2 = tmp_path / "run2"
-    run_bench(config_for(tiny_dir, out2, tasks="{niah_single_1: 1}", routes=f"[{glob_spec}]", route_file_budgets="file"))
+    run_bench(
+        config_for(tiny_dir, out2, tasks="{niah_single_1: 1}", routes=f"[{glob_spec}]", route_file_budgets="file")
+    )
     (row,) = read_jsonl(out2 / "results.jsonl")
     assert row["budget"] == 16 and row["kv_fraction"] == pytest.approx(64 / (4 * n))
 
@@ -155,7 +170,15 @@ def test_route_file_for_another_model_refused_before_any_work(tiny_dir, tmp_path
     out = tmp_path / "run"
     code = None
     with pytest.raises(SystemExit) as e:
-        main(["bench", f"model={tiny_dir}", f"routes=[{tmp_path / 'smol.json'}]", f"output={out}", "tasks={niah_single_1: 1}"])
+        main(
+            [
+                "bench",
+                f"model={tiny_dir}",
+                f"routes=[{tmp_path / 'smol.json'}]",
+                f"output={out}",
+                "tasks={niah_single_1: 1}",
+            ]
+        )
     code = e.value.code
     assert code == 2
     assert not (out / "results.jsonl").exists()
@@ -215,8 +238,12 @@ def test_longbench_tasks_from_local_files(tiny_dir, tmp_path):
     data = Path(__file__).parent / "data" / "longbench"
     out = tmp_path / "run"
     cfg = config_for(
-        tiny_dir, out, tasks="{longbench/trec: 1, longbench/qasper: 1}", routes="[full, homogeneous:knorm]",
-        budgets="[0.5]", longbench_dir=str(data),
+        tiny_dir,
+        out,
+        tasks="{longbench/trec: 1, longbench/qasper: 1}",
+        routes="[full, homogeneous:knorm]",
+        budgets="[0.5]",
+        longbench_dir=str(data),
     )
     run_bench(cfg)
     rows = read_jsonl(out / "results.jsonl")

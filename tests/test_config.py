@@ -39,8 +39,15 @@ def test_every_problem_in_one_error(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_config(Toy, path, ["other=2", "rate=fast", "noequals"])
     msg = str(e.value)
-    for part in ["n: expected an integer", "flag: expected true or false", "rate: expected a number",
-                 "'bogus'", "'other'", "valid keys: n, rate", "'noequals' is not key=value"]:
+    for part in [
+        "n: expected an integer",
+        "flag: expected true or false",
+        "rate: expected a number",
+        "'bogus'",
+        "'other'",
+        "valid keys: n, rate",
+        "'noequals' is not key=value",
+    ]:
         assert part in msg, part
 
 

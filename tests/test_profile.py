@@ -126,8 +126,15 @@ def test_profile_routes_load_in_bench_and_routed_press(planted, tiny_dir, tmp_pa
     bench = load_config(
         BenchConfig,
         None,
-        [f"model={tiny_dir}", "tasks={niah_single_1: 1}", "context_tokens=300", "budgets=[16]",
-         f"routes=[{out}/profile_*.json]", "max_new_tokens=3", f"output={tmp_path / 'bench'}"],
+        [
+            f"model={tiny_dir}",
+            "tasks={niah_single_1: 1}",
+            "context_tokens=300",
+            "budgets=[16]",
+            f"routes=[{out}/profile_*.json]",
+            "max_new_tokens=3",
+            f"output={tmp_path / 'bench'}",
+        ],
     )
     run_bench(bench)
     rows = read_jsonl(tmp_path / "bench" / "results.jsonl")
@@ -181,8 +188,16 @@ def test_placement_study_ranks_the_given_route(tiny_dir, tmp_path):
 
     route.to_file(tmp_path / "given.json")
     out = tmp_path / "placement"
-    argv = ["placement", f"route={tmp_path / 'given.json'}", "n_placements=5", f"model={tiny_dir}",
-            "tasks={niah_single_1: 2}", "context_tokens=200", "max_new_tokens=3", f"output={out}"]
+    argv = [
+        "placement",
+        f"route={tmp_path / 'given.json'}",
+        "n_placements=5",
+        f"model={tiny_dir}",
+        "tasks={niah_single_1: 2}",
+        "context_tokens=200",
+        "max_new_tokens=3",
+        f"output={out}",
+    ]
     assert main(argv) == 0
     result = json.loads((out / "placement.json").read_text())
     assert result["of"] == 6 and 1 <= result["rank"] <= 6 and len(result["placement_scores"]) == 5
