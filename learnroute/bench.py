@@ -15,32 +15,24 @@ Run folder::
 
 from __future__ import annotations
 
-import fcntl
 import glob
 import json
 import os
-import platform
-import shutil
 import socket
-import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-import yaml
 
-from learnroute.config import ConfigError, to_dict
+from learnroute.config import to_dict
 from learnroute.methods.registry import METHODS
-from learnroute.route import Route, RouteError
+from learnroute.route import Route, RouteError, budget_problem
+from learnroute.runs import append_jsonl, prepare_folder, read_jsonl
 from learnroute.tasks.ruler import Sample
 from learnroute.tasks.suite import check_tasks, load_task
 
 Budget = int | float
 ROUTE_KINDS = ("full", "homogeneous:<method>", "pyramid:<method>", "<route file or glob>")
-# Fields that do not change any result: a rerun may change them and still resume.
-_RESUME_FREE = ("output", "wandb", "wandb_project", "max_batch")
 
 
 @dataclass
@@ -83,13 +75,11 @@ class BenchConfig:
 
     def validate(self) -> list[str]:
         """Problems that need no model: bad budgets, routes, tasks, sizes."""
-        from learnroute.route import _budget_problem
-
         problems = []
         if not self.budgets:
             problems.append("budgets is empty; give at least one (tokens per KV head or a fraction)")
         for b in self.budgets:
-            if (p := _budget_problem(b)) is not None:
+            if (p := budget_problem(b)) is not None:
                 problems.append(f"budgets: {p}")
         if not self.routes:
             problems.append(f"routes is empty; valid forms: {', '.join(ROUTE_KINDS)}")
@@ -207,128 +197,6 @@ def resolve_routes(config: BenchConfig, n_layers: int, model: str) -> list[Cell]
             seen.add(c.key)
             unique.append(c)
     return unique
-
-
-# ---------------------------------------------------------------------------- run folder
-
-
-def versions() -> dict[str, Any]:
-    """Library versions and the git commit of the learnroute checkout (if any)."""
-    import torch
-    import transformers
-    from importlib.metadata import version
-
-    import learnroute
-
-    commit = None
-    try:
-        commit = (
-            subprocess.run(
-                ["git", "rev-parse", "HEAD"],
-                cwd=Path(learnroute.__file__).parent,
-                capture_output=True,
-                text=True,
-                timeout=5,
-            ).stdout.strip()
-            or None
-        )
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return {
-        "learnroute": learnroute.__version__,
-        "git_commit": commit,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "kvpress": version("kvpress"),
-        "platform": platform.platform(),
-    }
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def append_jsonl(path: Path, rows: list[dict]) -> None:
-    """Append rows under an exclusive lock in one write (whole lines or nothing useful).
-
-    A previous crash may have left a partial last line; it is cut off first, so every
-    line in the file is a complete JSON row.
-    """
-    if not rows:
-        return
-    data = "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows).encode()
-    with open(path, "a+b") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            if size:
-                f.seek(size - 1)
-                if f.read(1) != b"\n":  # a torn line from a killed writer: drop it
-                    f.seek(0)
-                    content = f.read()
-                    f.truncate(content.rfind(b"\n") + 1)
-            f.seek(0, os.SEEK_END)
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    """Complete rows of a JSONL file (a torn last line is ignored)."""
-    if not path.is_file():
-        return []
-    rows = []
-    lines = path.read_text().splitlines(keepends=True)
-    for i, line in enumerate(lines):
-        if not line.endswith("\n"):
-            break  # torn last line of a killed run
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{i + 1}: not a JSON row ({e})") from None
-    return rows
-
-
-def _comparable(config: dict) -> dict:
-    return {k: v for k, v in config.items() if k not in _RESUME_FREE}
-
-
-def prepare_folder(config: BenchConfig, overwrite: bool, is_main: bool) -> Path:
-    """Create or reopen the run folder; refuse a different config unless ``overwrite``.
-
-    With ``overwrite`` the old folder is moved aside to ``<output>.replaced-<time>``,
-    never deleted.
-    """
-    out = Path(config.output)
-    resolved = to_dict(config)
-    saved = out / "config.yaml"
-    if saved.is_file():
-        old = yaml.safe_load(saved.read_text()) or {}
-        if _comparable(old) != _comparable(resolved):
-            if not overwrite:
-                diff = sorted(
-                    k for k in set(old) | set(resolved) if k not in _RESUME_FREE and old.get(k) != resolved.get(k)
-                )
-                raise ConfigError(
-                    f"{out} holds a run with a different config (differs in: {', '.join(diff)}); "
-                    "pass --overwrite to move it aside and start afresh, or choose another output"
-                )
-            if is_main:
-                aside = out.with_name(f"{out.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
-                shutil.move(str(out), aside)
-                print(f"moved the previous run in {out} to {aside}", file=sys.stderr)
-    if is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        _atomic_write(saved, yaml.safe_dump(resolved, sort_keys=False))
-        _atomic_write(out / "versions.json", json.dumps(versions(), indent=2) + "\n")
-    return out
 
 
 # ---------------------------------------------------------------------------- the run

@@ -23,7 +23,8 @@ from typing import Any
 
 import yaml
 
-from learnroute.bench import BenchConfig, _atomic_write, prepare_folder, run_bench
+from learnroute.bench import BenchConfig, run_bench
+from learnroute.runs import atomic_write, prepare_folder
 from learnroute.config import to_dict
 from learnroute.route import Route, RouteError
 from learnroute.tasks.suite import check_tasks
@@ -178,7 +179,7 @@ def run_placement(config: PlacementConfig, overwrite: bool = False) -> Path:
     # Check (or, with overwrite, move aside) the folder before writing route files into it.
     prepare_folder(bench, overwrite, is_main=True)
     _write_routes(out / "routes", given, placements)
-    _atomic_write(out / "placement.yaml", yaml.safe_dump(to_dict(config), sort_keys=False))
+    atomic_write(out / "placement.yaml", yaml.safe_dump(to_dict(config), sort_keys=False))
     run_bench(bench)
     table = aggregate(load_rows(out))
     scores = {t["route"]: t["score"] for t in table if t["task"] == AVG and t["route"] != "full"}
@@ -195,7 +196,7 @@ def run_placement(config: PlacementConfig, overwrite: bool = False) -> Path:
         "placement_scores": sorted(s for name, s in scores.items() if name != given_name),
         "config": to_dict(config),
     }
-    _atomic_write(out / "placement.json", json.dumps(result, indent=1) + "\n")
+    atomic_write(out / "placement.json", json.dumps(result, indent=1) + "\n")
     histogram(result["placement_scores"], result["given_score"], full, out / "placement.png")
     pct = 100 * result["better_than_fraction"]
     md = [
@@ -210,5 +211,5 @@ def run_placement(config: PlacementConfig, overwrite: bool = False) -> Path:
         + (f"; full cache {100 * full:.1f}" if full is not None else ""),
         "",
     ]
-    _atomic_write(out / "placement.md", "\n".join(md))
+    atomic_write(out / "placement.md", "\n".join(md))
     return out

@@ -30,7 +30,7 @@ import torch
 from learnroute.config import to_dict
 from learnroute.methods.base import resolve_budget
 from learnroute.methods.registry import METHODS
-from learnroute.route import Route, RouteError, _budget_problem
+from learnroute.route import Route, RouteError, budget_problem
 from learnroute.tasks.ruler import Sample
 from learnroute.tasks.suite import check_tasks, load_task
 
@@ -79,7 +79,7 @@ class ProfileConfig:
         if not self.budgets:
             problems.append("budgets is empty")
         for b in self.budgets:
-            if (p := _budget_problem(b)) is not None:
+            if (p := budget_problem(b)) is not None:
                 problems.append(f"budgets: {p}")
         if len(self.methods) < 1:
             problems.append("methods is empty; registered: " + ", ".join(METHODS))
@@ -393,7 +393,7 @@ def run_profile(config: ProfileConfig, overwrite: bool = False, progress: bool =
     from tqdm import tqdm
 
     from learnroute import _hf
-    from learnroute.bench import _atomic_write, append_jsonl, prepare_folder, read_jsonl
+    from learnroute.runs import atomic_write, append_jsonl, prepare_folder, read_jsonl
     from learnroute.engine import Engine
     from learnroute.models import load_model, model_name
 
@@ -419,7 +419,7 @@ def run_profile(config: ProfileConfig, overwrite: bool = False, progress: bool =
         append_jsonl(out / "cells.jsonl", [row])
         done[s.id] = row
     profile = aggregate(config, name, n_layers, [done[s.id] for s in samples])
-    _atomic_write(out / "profile.json", json.dumps(profile, indent=1) + "\n")
+    atomic_write(out / "profile.json", json.dumps(profile, indent=1) + "\n")
     heatmap(profile, out / "heatmap.png")
     for stem, route in build_routes(profile, model=name, n_layers=n_layers, methods=config.methods).items():
         route.to_file(out / f"{stem}.json")

@@ -35,7 +35,7 @@ def _budget_order(budget: Any) -> tuple:
 
 def load_rows(folder: Path, rescore: bool = False) -> list[dict]:
     """Result rows, the last of any duplicated cell winning; optionally re-scored."""
-    from learnroute.bench import read_jsonl
+    from learnroute.runs import read_jsonl
     from learnroute.tasks.metrics import score_sample
 
     folder = Path(folder)
@@ -215,14 +215,14 @@ def plot(table: list[dict], path: Path) -> None:
 
 def summarize(folder: str | os.PathLike, rescore: bool = False) -> list[dict]:
     """Write ``summary.csv``, ``summary.md`` and ``plot.png`` into a run folder; return the table."""
-    from learnroute.bench import _atomic_write
+    from learnroute.runs import atomic_write
 
     folder = Path(folder)
     rows = load_rows(folder, rescore=rescore)
     if not rows:
         raise ValueError(f"{folder}/results.jsonl has no rows yet")
     table = aggregate(rows)
-    _atomic_write(folder / "summary.csv", to_csv(table))
-    _atomic_write(folder / "summary.md", to_markdown(table))
+    atomic_write(folder / "summary.csv", to_csv(table))
+    atomic_write(folder / "summary.md", to_markdown(table))
     plot(table, folder / "plot.png")
     return table

@@ -31,7 +31,7 @@ class RouteError(ValueError):
     """A malformed or inconsistent route (the message lists every problem)."""
 
 
-def _budget_problem(budget: Any) -> str | None:
+def budget_problem(budget: Any) -> str | None:
     if isinstance(budget, bool) or not isinstance(budget, (int, float)):
         return f"budget {budget!r} is neither an int >= 1 nor a float in (0, 1]"
     if isinstance(budget, int) and budget < 1:
@@ -64,7 +64,7 @@ class Route:
         for i, entry in enumerate(self.layers):
             if entry.method not in METHODS:
                 problems.append(f"layer {i}: unknown method {entry.method!r}; registered: {', '.join(METHODS)}")
-            if (p := _budget_problem(entry.budget)) is not None:
+            if (p := budget_problem(entry.budget)) is not None:
                 problems.append(f"layer {i}: {p}")
         if problems:
             raise RouteError("invalid route:\n  " + "\n  ".join(problems))
@@ -181,7 +181,7 @@ class Route:
             method, budget = item["method"], item["budget"]
             if method not in METHODS:
                 problems.append(f"layer {idx}: unknown method {method!r}; registered: {', '.join(METHODS)}")
-            if (p := _budget_problem(budget)) is not None:
+            if (p := budget_problem(budget)) is not None:
                 problems.append(f"layer {idx}: {p}")
             entries[idx] = LayerRoute(method, budget)
         missing = [i for i in range(n_layers) if i not in entries]

@@ -12,7 +12,8 @@ import pytest
 import yaml
 
 import learnroute as lr
-from learnroute.bench import BenchConfig, read_jsonl, run_bench
+from learnroute.bench import BenchConfig, run_bench
+from learnroute.runs import read_jsonl
 from learnroute.cli import main
 from learnroute.config import ConfigError, load_config
 from learnroute.report import summarize

@@ -120,7 +120,8 @@ def test_profile_avoids_a_method_exactly_where_it_is_bad(planted, tiny_dir, tmp_
 
 
 def test_profile_routes_load_in_bench_and_routed_press(planted, tiny_dir, tmp_path, tokenizer):
-    from learnroute.bench import BenchConfig, read_jsonl, run_bench
+    from learnroute.bench import BenchConfig, run_bench
+    from learnroute.runs import read_jsonl
 
     out = run_profile(_profile_config(tmp_path, tiny_dir, methods="[knorm, h2o]"), progress=False)
     bench = load_config(
@@ -173,7 +174,7 @@ def test_profile_bad_input():
 
 
 def test_placement_study_ranks_the_given_route(tiny_dir, tmp_path):
-    from learnroute.bench import read_jsonl
+    from learnroute.runs import read_jsonl
     from learnroute.cli import main
     from learnroute.placement import draw_placements, n_distinct_placements
     from learnroute.report import summarize

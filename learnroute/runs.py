@@ -1,0 +1,141 @@
+"""Run folders shared by bench, profile and placement: resolved config, versions, and
+JSONL files appended atomically so killed runs resume."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from learnroute.config import ConfigError, to_dict
+
+# Config fields that do not change any result: a rerun may change them and still resume.
+_RESUME_FREE = ("output", "wandb", "wandb_project", "max_batch")
+
+
+def versions() -> dict[str, Any]:
+    """Library versions and the git commit of the learnroute checkout (if any)."""
+    import torch
+    import transformers
+    from importlib.metadata import version
+
+    import learnroute
+
+    commit = None
+    try:
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"],
+                cwd=Path(learnroute.__file__).parent,
+                capture_output=True,
+                text=True,
+                timeout=5,
+            ).stdout.strip()
+            or None
+        )
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return {
+        "learnroute": learnroute.__version__,
+        "git_commit": commit,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "kvpress": version("kvpress"),
+        "platform": platform.platform(),
+    }
+
+
+def atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def append_jsonl(path: Path, rows: list[dict]) -> None:
+    """Append rows under an exclusive lock in one write (whole lines or nothing useful).
+
+    A previous crash may have left a partial last line; it is cut off first, so every
+    line in the file is a complete JSON row.
+    """
+    if not rows:
+        return
+    data = "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows).encode()
+    with open(path, "a+b") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            if size:
+                f.seek(size - 1)
+                if f.read(1) != b"\n":  # a torn line from a killed writer: drop it
+                    f.seek(0)
+                    content = f.read()
+                    f.truncate(content.rfind(b"\n") + 1)
+            f.seek(0, os.SEEK_END)
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Complete rows of a JSONL file (a torn last line is ignored)."""
+    if not path.is_file():
+        return []
+    rows = []
+    lines = path.read_text().splitlines(keepends=True)
+    for i, line in enumerate(lines):
+        if not line.endswith("\n"):
+            break  # torn last line of a killed run
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{i + 1}: not a JSON row ({e})") from None
+    return rows
+
+
+def _comparable(config: dict) -> dict:
+    return {k: v for k, v in config.items() if k not in _RESUME_FREE}
+
+
+def prepare_folder(config: Any, overwrite: bool, is_main: bool) -> Path:
+    """Create or reopen the run folder; refuse a different config unless ``overwrite``.
+
+    With ``overwrite`` the old folder is moved aside to ``<output>.replaced-<time>``,
+    never deleted.
+    """
+    out = Path(config.output)
+    resolved = to_dict(config)
+    saved = out / "config.yaml"
+    if saved.is_file():
+        old = yaml.safe_load(saved.read_text()) or {}
+        if _comparable(old) != _comparable(resolved):
+            if not overwrite:
+                diff = sorted(
+                    k for k in set(old) | set(resolved) if k not in _RESUME_FREE and old.get(k) != resolved.get(k)
+                )
+                raise ConfigError(
+                    f"{out} holds a run with a different config (differs in: {', '.join(diff)}); "
+                    "pass --overwrite to move it aside and start afresh, or choose another output"
+                )
+            if is_main:
+                aside = out.with_name(f"{out.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
+                shutil.move(str(out), aside)
+                print(f"moved the previous run in {out} to {aside}", file=sys.stderr)
+    if is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write(saved, yaml.safe_dump(resolved, sort_keys=False))
+        atomic_write(out / "versions.json", json.dumps(versions(), indent=2) + "\n")
+    return out
