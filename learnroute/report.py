@@ -11,7 +11,7 @@ import csv
 import io
 import json
 import os
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 from statistics import mean
 from typing import Any
@@ -57,13 +57,16 @@ def load_rows(folder: Path, rescore: bool = False) -> list[dict]:
 
 
 def aggregate(rows: list[dict]) -> list[dict]:
-    """Per (task, route, budget): mean score, n, KV fraction, seconds; plus average rows.
+    """Per (task, route, budget): mean score, n, KV fraction, seconds (decode plus a share
+    of the sample's prefill); plus average rows.
 
     ``rel_full`` is the score divided by the full cache's on the same task (empty when
     the run has no full cache or the full cache is near zero there). Average rows are
     macro averages over tasks; a second average leaves out tasks where the full cache
     scores below ``NEAR_ZERO``.
     """
+    # One prefill serves every cell of a sample: each cell is charged its share of it.
+    cells_per_sample = Counter(r["sample_id"] for r in rows)
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
         groups[(r["task"], r["route"], json.dumps(r["budget"]))].append(r)
@@ -77,7 +80,9 @@ def aggregate(rows: list[dict]) -> list[dict]:
                 "n": len(rs),
                 "score": mean(r["score"] for r in rs),
                 "kv_fraction": mean(r["kv_fraction"] for r in rs),
-                "seconds": mean(r["seconds"] + r.get("prefill_seconds", 0.0) for r in rs),
+                "seconds": mean(
+                    r["seconds"] + r.get("prefill_seconds", 0.0) / cells_per_sample[r["sample_id"]] for r in rs
+                ),
             }
         )
     full = {t["task"]: t["score"] for t in table if t["route"] == "full"}
