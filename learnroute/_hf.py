@@ -47,9 +47,14 @@ def language_model(model: PreTrainedModel) -> nn.Module:
     return inner.language_model if hasattr(inner, "language_model") else inner
 
 
+def decoder_layers(model: PreTrainedModel) -> list[nn.Module]:
+    """Every decoder layer, in order."""
+    return list(language_model(model).layers)
+
+
 def attention_modules(model: PreTrainedModel) -> list[nn.Module]:
     """Self-attention module of every decoder layer, in layer order."""
-    return [layer.self_attn for layer in language_model(model).layers]
+    return [layer.self_attn for layer in decoder_layers(model)]
 
 
 def text_config(model: PreTrainedModel):
@@ -110,6 +115,11 @@ class LayerCapture:
     position_embeddings: tuple[torch.Tensor, torch.Tensor]  # cos, sin: (B, n, d) each
 
 
+def _hidden_arg(args: tuple, kwargs: dict) -> torch.Tensor:
+    """The hidden states a forward pre-hook sees (passed by keyword or first positional)."""
+    return kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+
+
 @torch.no_grad()
 def capture_prefill(model: PreTrainedModel, input_ids: torch.Tensor) -> list[LayerCapture]:
     """Run one full-cache forward over ``input_ids`` (B, n) and capture every layer."""
@@ -121,8 +131,7 @@ def capture_prefill(model: PreTrainedModel, input_ids: torch.Tensor) -> list[Lay
     positions: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def hook(module, args, kwargs):
-        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-        hidden_buf[module.layer_idx].copy_(hidden)
+        hidden_buf[module.layer_idx].copy_(_hidden_arg(args, kwargs))
         positions[module.layer_idx] = kwargs["position_embeddings"]
 
     cache = DynamicCache(config=model.config)
@@ -140,10 +149,6 @@ def capture_prefill(model: PreTrainedModel, input_ids: torch.Tensor) -> list[Lay
     return captures
 
 
-def decoder_layers(model: PreTrainedModel) -> list[nn.Module]:
-    return list(language_model(model).layers)
-
-
 @torch.no_grad()
 def layer_inputs(
     model: PreTrainedModel, cache: DynamicCache, input_ids: torch.Tensor, position_ids: torch.Tensor
@@ -153,7 +158,7 @@ def layer_inputs(
     inputs: list[torch.Tensor] = []
 
     def hook(module, args, kwargs):
-        inputs.append((kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]).clone())
+        inputs.append(_hidden_arg(args, kwargs).clone())
 
     handles = [layer.register_forward_pre_hook(hook, with_kwargs=True) for layer in decoder_layers(model)]
     try:

@@ -27,9 +27,8 @@ from pathlib import Path
 from learnroute.config import to_dict
 from learnroute.methods.registry import METHODS
 from learnroute.route import Route, RouteError, budget_problem
-from learnroute.runs import append_jsonl, prepare_folder, read_jsonl
-from learnroute.tasks.ruler import Sample
-from learnroute.tasks.suite import check_tasks, load_task
+from learnroute.runs import append_jsonl, prepare_folder, read_jsonl, result_key
+from learnroute.tasks.suite import check_tasks, load_tasks
 
 Budget = int | float
 ROUTE_KINDS = ("full", "homogeneous:<method>", "pyramid:<method>", "<route file or glob>")
@@ -159,6 +158,7 @@ class Cell:
 
     @property
     def key(self) -> tuple[str, str]:
+        """(route, budget) as in :func:`learnroute.runs.result_key` without the sample."""
         return self.name, json.dumps(self.budget)
 
 
@@ -202,15 +202,6 @@ def resolve_routes(config: BenchConfig, n_layers: int, model: str) -> list[Cell]
 # ---------------------------------------------------------------------------- the run
 
 
-def load_samples(config: BenchConfig, tokenizer) -> list[tuple[str, Sample]]:
-    """(task, sample) pairs in a fixed order, eval split only."""
-    pairs = []
-    for task, n in config.tasks.items():
-        for s in load_task(task, tokenizer, n, config.context_tokens, "eval", config.seed, config.longbench_dir):
-            pairs.append((task, s))
-    return pairs
-
-
 def _wandb_run(config: BenchConfig, out: Path):
     """A wandb run, offline when no network is reachable (or WANDB_MODE says so)."""
     import wandb
@@ -247,11 +238,11 @@ def run_bench(config: BenchConfig, overwrite: bool = False) -> Path:
         model.to(state.device)
     name = model_name(model)
     cells = resolve_routes(config, len(_hf.attention_modules(model)), name)
-    samples = load_samples(config, tokenizer)
+    samples = load_tasks(config.tasks, tokenizer, config.context_tokens, "eval", config.seed, config.longbench_dir)
     if state.is_main_process:
         existing = {r["id"] for r in read_jsonl(out / "samples.jsonl")}
         append_jsonl(out / "samples.jsonl", [{"task": t, **s.to_dict()} for t, s in samples if s.id not in existing])
-    done = {(r["sample_id"], r["route"], json.dumps(r["budget"])) for r in read_jsonl(out / "results.jsonl")}
+    done = {result_key(r) for r in read_jsonl(out / "results.jsonl")}
     mine = samples[rank::world]
     engine = Engine(model, tokenizer, query_aware=config.query_aware, max_batch=config.max_batch)
     wb = _wandb_run(config, out) if config.wandb and state.is_main_process else None

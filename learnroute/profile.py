@@ -32,7 +32,7 @@ from learnroute.methods.base import resolve_budget
 from learnroute.methods.registry import METHODS
 from learnroute.route import Route, RouteError, budget_problem
 from learnroute.tasks.ruler import Sample
-from learnroute.tasks.suite import check_tasks, load_task
+from learnroute.tasks.suite import check_tasks, load_tasks
 
 Budget = int | float
 SCHEMA = "learnroute.profile/1"
@@ -401,11 +401,7 @@ def run_profile(config: ProfileConfig, overwrite: bool = False, progress: bool =
     model, tokenizer = load_model(config.model)
     name = model_name(model)
     n_layers = len(_hf.attention_modules(model))
-    samples = [
-        s
-        for task, n in config.tasks.items()
-        for s in load_task(task, tokenizer, n, config.context_tokens, "calibration", config.seed)
-    ]
+    samples = [s for _, s in load_tasks(config.tasks, tokenizer, config.context_tokens, "calibration", config.seed)]
     if any(s.split != "calibration" for s in samples):  # a programming error, never user input
         raise RuntimeError("profiles must use calibration samples only")
     existing = {r["id"] for r in read_jsonl(out / "samples.jsonl")}

@@ -35,7 +35,7 @@ def _budget_order(budget: Any) -> tuple:
 
 def load_rows(folder: Path, rescore: bool = False) -> list[dict]:
     """Result rows, the last of any duplicated cell winning; optionally re-scored."""
-    from learnroute.runs import read_jsonl
+    from learnroute.runs import read_jsonl, result_key
     from learnroute.tasks.metrics import score_sample
 
     folder = Path(folder)
@@ -44,7 +44,7 @@ def load_rows(folder: Path, rescore: bool = False) -> list[dict]:
         raise FileNotFoundError(f"{results} not found: {folder} is not a bench run folder")
     rows: dict[tuple, dict] = {}
     for r in read_jsonl(results):
-        rows[(r["sample_id"], r["route"], json.dumps(r["budget"]))] = r
+        rows[result_key(r)] = r
     out = list(rows.values())
     if rescore:
         samples = {s["id"]: s for s in read_jsonl(folder / "samples.jsonl")}

@@ -89,6 +89,11 @@ def append_jsonl(path: Path, rows: list[dict]) -> None:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def result_key(row: dict) -> tuple[str, str, str]:
+    """A results row's cell: (sample id, route, budget as JSON); reruns skip done keys."""
+    return row["sample_id"], row["route"], json.dumps(row["budget"])
+
+
 def read_jsonl(path: Path) -> list[dict]:
     """Complete rows of a JSONL file (a torn last line is ignored)."""
     if not path.is_file():

@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from learnroute.tasks.ruler import Sample
+from learnroute.tasks.ruler import Sample, count_tokens
 
 ENV_VAR = "LEARNROUTE_LONGBENCH"
 FIELDS = ("input", "context", "answers", "length", "dataset", "language", "all_classes", "_id")
@@ -192,17 +192,13 @@ def _resolve(task: str) -> LongBenchTask:
     )
 
 
-def _count(tokenizer, text: str) -> int:
-    return len(tokenizer.encode(text, add_special_tokens=False))
-
-
 def _keep_ends(tokenizer, ids: list[int], head: int, tail: int, budget: int, suffix: str = "") -> str:
     """``decode(ids[:head]) + decode(ids[-tail:])``, shrunk until ``text + suffix`` fits ``budget`` tokens."""
     for _ in range(32):
         text = tokenizer.decode(ids[:head], skip_special_tokens=True)
         if tail > 0:
             text += tokenizer.decode(ids[len(ids) - tail:], skip_special_tokens=True)
-        over = _count(tokenizer, text + suffix) - budget
+        over = count_tokens(tokenizer, text + suffix) - budget
         if over <= 0:
             return text
         if head == 0 and tail == 0:
@@ -243,9 +239,9 @@ def fit_prompt(tokenizer, context: str, question: str, max_tokens: int) -> tuple
     """
     if not isinstance(max_tokens, int) or max_tokens < 1:
         raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
-    if _count(tokenizer, context + question) <= max_tokens:
+    if count_tokens(tokenizer, context + question) <= max_tokens:
         return context, False
-    n_question = _count(tokenizer, question)
+    n_question = count_tokens(tokenizer, question)
     if n_question >= max_tokens:
         raise ValueError(f"the question alone has {n_question} tokens, max_tokens is {max_tokens}")
     head = max_tokens // 2

@@ -64,18 +64,19 @@ def prose_sentences() -> list[str]:
     return _PROSE
 
 
-def _count(tokenizer, text: str) -> int:
+def count_tokens(tokenizer, text: str) -> int:
+    """Tokens of ``text`` in the model's tokenizer, without special tokens."""
     return len(tokenizer.encode(text, add_special_tokens=False))
 
 
 def _fit(build: Callable[[int], str], tokenizer, n_tokens: int) -> str:
     """``build(k)`` for the largest k whose text stays within ``n_tokens`` tokens (k >= 1)."""
     lo, hi = 1, 2
-    while _count(tokenizer, build(hi)) <= n_tokens and hi < 1 << 20:
+    while count_tokens(tokenizer, build(hi)) <= n_tokens and hi < 1 << 20:
         lo, hi = hi, hi * 2
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if _count(tokenizer, build(mid)) <= n_tokens:
+        if count_tokens(tokenizer, build(mid)) <= n_tokens:
             lo = mid
         else:
             hi = mid

@@ -43,6 +43,22 @@ def check_tasks(names: list[str], split: str, longbench_dir: str | os.PathLike |
     return problems
 
 
+def load_tasks(
+    tasks: dict[str, int],
+    tokenizer,
+    n_tokens: int,
+    split: str,
+    seed: int = 0,
+    longbench_dir: str | Path | None = None,
+) -> list[tuple[str, Sample]]:
+    """(task, sample) pairs for ``{task: count}``, in a fixed order (config order, then index)."""
+    return [
+        (task, s)
+        for task, n in tasks.items()
+        for s in load_task(task, tokenizer, n, n_tokens, split, seed, longbench_dir)
+    ]
+
+
 def load_task(
     name: str,
     tokenizer,
