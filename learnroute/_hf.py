@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 from transformers import AttentionInterface, DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 from transformers.models.llama.modeling_llama import rotate_half
@@ -113,6 +115,9 @@ class LayerCapture:
     keys: torch.Tensor  # (B, H_kv, n, d)
     values: torch.Tensor  # (B, H_kv, n, d)
     position_embeddings: tuple[torch.Tensor, torch.Tensor]  # cos, sin: (B, n, d) each
+    # Intermediate results scorers share on this layer (e.g. SnapKV scores that
+    # CriticalKV rescales), so one capture never computes them twice.
+    memo: dict = field(default_factory=dict)
 
 
 def _hidden_arg(args: tuple, kwargs: dict) -> torch.Tensor:
@@ -207,11 +212,87 @@ def forward_from_layer(
     return model.lm_head(lm.norm(hidden[:, keep]))
 
 
-def build_cache(model: PreTrainedModel, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
-    """A DynamicCache holding the given per-layer keys/values, each (B, H_kv, n_l, d)."""
+class _PreallocatedLayer(DynamicLayer):
+    """A DynamicLayer whose keys/values live in buffers with room for more tokens.
+
+    Why: DynamicLayer appends with ``torch.cat``, copying the whole layer cache at every
+    decoding step; with a batch of routes that copy costs more than the step's attention.
+    New tokens are written in place; ``keys``/``values`` stay views of the filled part,
+    so everything that reads them (sequence length, masks, attention) sees exactly what a
+    DynamicLayer would hold.
+    """
+
+    def __init__(self, key_buffer: torch.Tensor, value_buffer: torch.Tensor, length: int) -> None:
+        super().__init__()
+        self.dtype, self.device = key_buffer.dtype, key_buffer.device
+        self._k, self._v = key_buffer, value_buffer  # (B, H_kv, capacity, d) each
+        self._len = length
+        self.keys, self.values = self._k[:, :, :length], self._v[:, :, :length]  # (B, H_kv, n, d) views
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, cache_kwargs=None):
+        t = key_states.shape[-2]
+        if self._len + t > self._k.shape[-2]:  # out of room: grow like a DynamicLayer
+            self._k = torch.cat([self.keys, key_states], dim=-2)
+            self._v = torch.cat([self.values, value_states], dim=-2)
+        else:
+            self._k[:, :, self._len : self._len + t].copy_(key_states)
+            self._v[:, :, self._len : self._len + t].copy_(value_states)
+        self._len += t
+        self.keys, self.values = self._k[:, :, : self._len], self._v[:, :, : self._len]
+        return self.keys, self.values
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep batch rows ``indices`` (ascending), moved to the front of the same buffers.
+
+        In place, so dropping finished routes allocates nothing; rows only move forward
+        (indices[j] >= j), so no row is overwritten before it has been moved.
+        """
+        rows = indices.tolist()
+        if any(b <= a for a, b in itertools.pairwise(rows)):  # not ascending: plain copy
+            self._k, self._v = self._k[indices], self._v[indices]
+            self.keys, self.values = self._k[:, :, : self._len], self._v[:, :, : self._len]
+            return
+        for j, src in enumerate(rows):
+            if src != j:
+                self._k[j, :, : self._len].copy_(self._k[src, :, : self._len])
+                self._v[j, :, : self._len].copy_(self._v[src, :, : self._len])
+        self._k, self._v = self._k[: len(indices)], self._v[: len(indices)]
+        self.keys, self.values = self._k[:, :, : self._len], self._v[:, :, : self._len]
+
+
+def build_cache(model: PreTrainedModel, kv: list[tuple[torch.Tensor, torch.Tensor]], extra: int = 0) -> DynamicCache:
+    """A DynamicCache holding the given per-layer keys/values, each (B, H_kv, n_l, d).
+
+    ``extra`` > 0 reserves room for that many more tokens per layer, written in place.
+    """
+    if extra > 0:
+        buffers = []
+        for k, v in kv:
+            kb = k.new_empty(*k.shape[:2], k.shape[2] + extra, k.shape[3])  # (B, H_kv, n_l + extra, d)
+            vb = v.new_empty(*v.shape[:2], v.shape[2] + extra, v.shape[3])
+            kb[:, :, : k.shape[2]].copy_(k)
+            vb[:, :, : v.shape[2]].copy_(v)
+            buffers.append((kb, vb))
+        return cache_from_buffers(model, buffers, [k.shape[2] for k, _ in kv])
     cache = DynamicCache(config=model.config)
     for layer_idx, (k, v) in enumerate(kv):
         cache.update(k, v, layer_idx)
+    return cache
+
+
+def cache_from_buffers(
+    model: PreTrainedModel, buffers: list[tuple[torch.Tensor, torch.Tensor]], lengths: list[int]
+) -> DynamicCache:
+    """A DynamicCache over preallocated per-layer buffers (B, H_kv, capacity, d) whose first
+    ``lengths[l]`` positions are filled; later tokens are written into the free room."""
+    cache = DynamicCache(config=model.config)
+    for layer_idx, ((kb, vb), n) in enumerate(zip(buffers, lengths)):
+        if type(cache.layers[layer_idx]) is not DynamicLayer:
+            # Sliding-window layers keep their own bookkeeping: hand them the tokens instead.
+            cache.update(kb[:, :, :n], vb[:, :, :n], layer_idx)
+        else:
+            cache.layers[layer_idx] = _PreallocatedLayer(kb, vb, n)
     return cache
 
 
@@ -292,6 +373,21 @@ def _layer_mask(
     return full
 
 
+def _sdpa_gqa(query, key, value, mask, dropout: float, scaling: float | None):
+    """sdpa with a mask and grouped KV heads, without materialising repeated keys/values.
+
+    Stock transformers repeats K/V to every query head whenever a mask is given
+    (``repeat_kv``): with a batch of routes that copy costs more than the attention. On
+    CPU, ``enable_gqa`` with a mask runs the same flash kernel on the shared heads and
+    gives bit-identical outputs (checked in the tests); on CUDA it would fall back to
+    the math kernel, so this path is CPU-only.
+    """
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=True
+    )  # (B, H_q, q, d)
+    return out.transpose(1, 2).contiguous(), None  # (B, q, H_q, d)
+
+
 def _routed(eager: bool):
     def attention(module, query, key, value, attention_mask, dropout=0.0, **kwargs):
         q, kv = query.shape[2], key.shape[2]
@@ -306,6 +402,8 @@ def _routed(eager: bool):
             attention_mask = _layer_mask(attention_mask, q, kv, query, bias, eager)
         if eager:
             return _eager_function(module)(module, query, key, value, attention_mask, dropout=dropout, **kwargs)
+        if attention_mask is not None and query.device.type == "cpu" and key.shape[1] != query.shape[1]:
+            return _sdpa_gqa(query, key, value, attention_mask, dropout, kwargs.get("scaling"))
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, **kwargs)
 
     return attention

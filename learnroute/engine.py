@@ -224,15 +224,54 @@ class Engine:
         """
         counts = counts or [self.kept_counts(r, prefill.n_tokens) for r in routes]
         kv = []
-        for layer, cap in enumerate(prefill.layers):
-            ks, vs = [], []
-            for route, kept in zip(routes, counts):
-                idx = self.kept_indices(prefill, layer, route.layers[layer].method, kept[layer])  # (1, H_kv, k)
-                idx = idx.unsqueeze(-1).expand(-1, -1, -1, cap.keys.shape[-1])  # (1, H_kv, k, d)
-                ks.append(cap.keys.gather(2, idx))
-                vs.append(cap.values.gather(2, idx))
-            kv.append((torch.cat(ks), torch.cat(vs)))  # (R, H_kv, k_l, d) each
+        for layer in range(len(prefill.layers)):
+            k, v = self._empty_kv(prefill, layer, len(routes), counts[0][layer])
+            self._gather_into(prefill, routes, counts, layer, k, v)
+            kv.append((k, v))
         return kv
+
+    def _empty_kv(self, prefill: Prefill, layer: int, rows: int, length: int, out: torch.Tensor | None = None):
+        """Uninitialised (rows, H_kv, length, d) keys and values, carved from ``out`` if given."""
+        cap = prefill.layers[layer]
+        _, h, _, d = cap.keys.shape
+        dv = cap.values.shape[-1]
+        if out is None:
+            return cap.keys.new_empty(rows, h, length, d), cap.values.new_empty(rows, h, length, dv)
+        k = out[: rows * h * length * d].view(rows, h, length, d)  # (R, H_kv, length, d)
+        v = out[rows * h * length * d : rows * h * length * (d + dv)].view(rows, h, length, dv)
+        return k, v
+
+    def _gather_into(
+        self, prefill: Prefill, routes: list[Route], counts: list[list[int]], layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """Write each route's kept keys/values at ``layer`` into the first k_l slots of ``k``/``v``."""
+        cap = prefill.layers[layer]
+        _, h, n, d = cap.keys.shape
+        idx = torch.cat([
+            self.kept_indices(prefill, layer, route.layers[layer].method, kept[layer])  # (1, H_kv, k_l)
+            for route, kept in zip(routes, counts)
+        ])  # (R, H_kv, k_l)
+        r, kept = len(routes), idx.shape[-1]
+        # One gather per layer for the whole batch, from the shared (1, ...) capture, written
+        # straight into the destination.
+        torch.gather(cap.keys.expand(r, h, n, d), 2, idx.unsqueeze(-1).expand(-1, -1, -1, d), out=k[:, :, :kept])
+        dv = cap.values.shape[-1]
+        torch.gather(cap.values.expand(r, h, n, dv), 2, idx.unsqueeze(-1).expand(-1, -1, -1, dv), out=v[:, :, :kept])
+
+    def _decode_cache(self, prefill: Prefill, routes: list[Route], shape: tuple[int, ...], extra: int, workspace):
+        """A cache for same-shape ``routes`` with room for ``extra`` tokens per layer.
+
+        Buffers are carved from ``workspace`` (a flat tensor reused by every batch of one
+        :meth:`answer` call: fresh multi-MB allocations page-fault, which on CPU costs
+        about as much as filling them).
+        """
+        offset, buffers = 0, []
+        for layer, kept in enumerate(shape):
+            k, v = self._empty_kv(prefill, layer, len(routes), kept + extra, workspace[offset:])
+            offset += k.numel() + v.numel()
+            self._gather_into(prefill, routes, [list(shape)] * len(routes), layer, k, v)
+            buffers.append((k, v))
+        return _hf.cache_from_buffers(self.model, buffers, list(shape))
 
     # ------------------------------------------------------------------ decode
 
@@ -249,20 +288,25 @@ class Engine:
         eos = torch.tensor(_hf.eos_token_ids(self.model), dtype=torch.long)
         rows: list[list[int]] = [[] for _ in range(n_rows)]
         alive = torch.arange(n_rows)  # original row of each batch row
+        done = torch.zeros(n_rows, dtype=torch.bool)  # batch rows that have produced EOS
         with _hf.routed_attention(self.model):
             out = self.model(input_ids=ids, past_key_values=cache, position_ids=pos, logits_to_keep=1)
             first_logits = out.logits[:, -1].float()  # (R, vocab)
             nxt = first_logits.argmax(-1)  # (R,)
             next_pos = n_ctx + q
             for step in range(max_new_tokens):
-                for row, tok in zip(alive.tolist(), nxt.tolist()):
-                    rows[row].append(tok)  # up to and including EOS, as kvpress does
-                keep = ~torch.isin(nxt, eos)  # (R_alive,)
-                if step == max_new_tokens - 1 or not bool(keep.any()):
+                for row, tok, finished in zip(alive.tolist(), nxt.tolist(), done.tolist()):
+                    if not finished:
+                        rows[row].append(tok)  # up to and including EOS, as kvpress does
+                done |= torch.isin(nxt, eos)
+                if step == max_new_tokens - 1 or bool(done.all()):
                     break
-                if not bool(keep.all()):
+                # Dropping finished rows copies every unfinished row's cache; that pays off
+                # only once enough rows have finished (their tokens are ignored until then).
+                if 2 * int(done.sum()) >= len(alive):
+                    keep = ~done
                     _hf.keep_rows(cache, keep.nonzero().squeeze(1))
-                    alive, nxt = alive[keep], nxt[keep]
+                    alive, nxt, done = alive[keep], nxt[keep], done[keep]
                 step_pos = torch.full((len(alive), 1), next_pos, dtype=torch.long)  # (R_alive, 1)
                 out = self.model(input_ids=nxt.unsqueeze(1), past_key_values=cache, position_ids=step_pos)
                 nxt = out.logits[:, -1].argmax(-1)
@@ -285,15 +329,18 @@ class Engine:
         for i, route in enumerate(routes):
             groups[tuple(self.kept_counts(route, n))].append(i)
         results: list[RouteResult | None] = [None] * len(routes)
+        max_new = max_new_tokens or self.max_new_tokens
+        extra = prefill.prompt.question_ids.shape[1] + max_new  # tokens each layer's cache grows by
+        per_row = cap0.keys.shape[1] * (cap0.keys.shape[-1] + cap0.values.shape[-1])  # elements per kept token
+        workspace = cap0.keys.new_empty(
+            max(min(len(m), self.max_batch) * per_row * (sum(s) + extra * len(s)) for s, m in groups.items())
+        )
         for shape, members in groups.items():
             for start in range(0, len(members), self.max_batch):
                 chunk = members[start : start + self.max_batch]
                 t0 = time.perf_counter()
-                kv = self.compress(prefill, [routes[i] for i in chunk], [list(shape)] * len(chunk))
-                cache = _hf.build_cache(self.model, kv)
-                rows, logits = self._decode(
-                    cache, prefill.prompt.question_ids, n, len(chunk), max_new_tokens or self.max_new_tokens
-                )
+                cache = self._decode_cache(prefill, [routes[i] for i in chunk], shape, extra, workspace)
+                rows, logits = self._decode(cache, prefill.prompt.question_ids, n, len(chunk), max_new)
                 share = (time.perf_counter() - t0) / len(chunk)
                 for j, (i, toks) in enumerate(zip(chunk, rows)):
                     results[i] = RouteResult(

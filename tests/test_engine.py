@@ -162,3 +162,71 @@ def test_many_routes_share_one_prefill(tiny, tokenizer, sample):
         counter.handle.remove()
     # 1 prefill + one question forward per distinct cache shape (2 budgets); no re-prefill
     assert counter.calls == 1 + 2
+
+
+def _question_pass_and_steps(model, cache, ids, pos, steps=3, select_after=None):
+    """Logits of a multi-token pass and of ``steps`` greedy single-token steps."""
+    outs = []
+    with torch.no_grad(), lr.routed_attention(model):
+        out = model(input_ids=ids, past_key_values=cache, position_ids=pos).logits
+        outs.append(out)
+        nxt, p = out[:, -1:].argmax(-1), pos[:, -1:] + 1
+        for step in range(steps):
+            if step == select_after:
+                rows = torch.tensor([0, 2])
+                cache.batch_select_indices(rows)
+                nxt, p = nxt[rows], p[rows]
+            out = model(input_ids=nxt, past_key_values=cache, position_ids=p).logits
+            outs.append(out)
+            nxt, p = out[:, -1:].argmax(-1), p + 1
+    return outs
+
+
+@pytest.mark.parametrize("extra", [20, 2])  # room for every token / must grow
+def test_preallocated_cache_decodes_bit_identically_to_a_dynamic_cache(tiny, extra):
+    torch.manual_seed(0)
+    lengths = (5, 9, 7, 3)
+    kv = [(torch.randn(3, 2, n, 16), torch.randn(3, 2, n, 16)) for n in lengths]
+    ids = torch.randint(0, 100, (3, 4))
+    pos = torch.arange(20, 24).expand(3, 4)
+    ref = _question_pass_and_steps(tiny, build_cache(tiny, kv), ids, pos, select_after=1)
+    ours = _question_pass_and_steps(tiny, build_cache(tiny, kv, extra=extra), ids, pos, select_after=1)
+    for a, b in zip(ref, ours):
+        assert torch.equal(a, b)
+
+
+def test_routed_sdpa_with_a_mask_is_bit_identical_to_stock_sdpa(tiny):
+    """Our mask path skips transformers' repeat_kv (GQA via enable_gqa): same numbers."""
+    torch.manual_seed(0)
+    kv = [(torch.randn(2, 2, 11, 16), torch.randn(2, 2, 11, 16)) for _ in range(4)]
+    ids = torch.randint(0, 100, (2, 5))
+    pos = torch.arange(30, 35).expand(2, 5)
+    with torch.no_grad():
+        stock = tiny(input_ids=ids, past_key_values=build_cache(tiny, kv), position_ids=pos).logits
+        with lr.routed_attention(tiny):
+            ours = tiny(input_ids=ids, past_key_values=build_cache(tiny, kv), position_ids=pos).logits
+    assert tiny.config.num_attention_heads != tiny.config.num_key_value_heads  # GQA is exercised
+    assert torch.equal(stock, ours)
+
+
+def test_routes_that_stop_early_leave_the_batch_without_changing_the_others(tokenizer, sample, monkeypatch):
+    """EOS mid-batch: finished rows are dropped (the batch is compacted), the rest go on."""
+    model = make_tiny(tokenizer, seed=5)  # a seed whose routes answer with different tokens
+    routes = [Route.homogeneous(m, 4, 0.3) for m in ("snapkv", "tova", "knorm", "keydiff", "random", "h2o")]
+    free = Engine(model, tokenizer, max_new_tokens=8).run(sample.context, sample.question, routes)
+    stop = free[1].token_ids[0]  # make one route's first token an end of sequence
+    compactions = []
+
+    def keep_rows(cache, rows):
+        compactions.append(rows.tolist())
+        cache.batch_select_indices(rows)
+
+    monkeypatch.setattr(lr._hf, "keep_rows", keep_rows)
+    monkeypatch.setattr(model.generation_config, "eos_token_id", stop)
+    batched = Engine(model, tokenizer, max_new_tokens=8, max_batch=32).run(sample.context, sample.question, routes)
+    single = Engine(model, tokenizer, max_new_tokens=8, max_batch=1).run(sample.context, sample.question, routes)
+    assert [r.token_ids for r in batched] == [r.token_ids for r in single]
+    for r, f in zip(batched, free):
+        cut = f.token_ids.index(stop) + 1 if stop in f.token_ids else len(f.token_ids)
+        assert r.token_ids == f.token_ids[:cut]
+    assert compactions and compactions[0] != list(range(len(compactions[0])))  # rows really moved

@@ -64,7 +64,27 @@ class SnapKV(Method):
         return self.window_size + 1
 
     def score(self, layer: LayerCapture, n_kept: int | None = None) -> torch.Tensor:
-        return _press_score(SnapKVPress(window_size=self.window_size, kernel_size=self.kernel_size), layer)
+        return _snapkv_scores(layer, self.window_size, self.kernel_size)
+
+
+def _snapkv_scores(layer: LayerCapture, window_size: int, kernel_size: int) -> torch.Tensor:
+    """kvpress SnapKV scores (B, H_kv, n) of a layer, computed once per capture."""
+    key = ("snapkv", window_size, kernel_size)
+    if key not in layer.memo:
+        layer.memo[key] = _press_score(SnapKVPress(window_size=window_size, kernel_size=kernel_size), layer)
+    return layer.memo[key]
+
+
+class _GivenScores(ScorerPress):
+    """A kvpress scorer returning scores computed earlier, so kvpress's CriticalKVPress can
+    rescale the layer's SnapKV scores without recomputing them."""
+
+    def __init__(self, scores: torch.Tensor) -> None:
+        super().__init__(compression_ratio=0.0)
+        self.scores = scores
+
+    def score(self, module, hidden_states, keys, values, attentions, kwargs) -> torch.Tensor:
+        return self.scores.clone()  # CriticalKVPress writes into what it gets
 
 
 @dataclass
@@ -154,7 +174,7 @@ class CriticalSnapKV(Method):
 
     def score(self, layer: LayerCapture, n_kept: int | None = None) -> torch.Tensor:
         n = layer.keys.shape[2]
-        inner = SnapKVPress(window_size=self.window_size, kernel_size=self.kernel_size)
+        inner = _GivenScores(_snapkv_scores(layer, self.window_size, self.kernel_size))
         press = CriticalKVPress(inner, epsilon=self.epsilon, first_stage_ratio=self.first_stage_ratio)
         # kvpress sizes stage 1 from compression_ratio: int((1 - cr) * n * ratio). The
         # half-token offset makes (1 - cr) * n land on n_kept + 0.5, never just below n_kept.
@@ -200,11 +220,12 @@ class H2O(Method):
     averaged over each GQA group. Computed here in query chunks of ``chunk_size`` so it
     runs under sdpa (kvpress's ``ObservedAttentionPress`` needs eager attention weights
     and divides by the number of queries; H2O accumulates the plain sum). The recent
-    window H2O adds on top is not part of the score.
+    window H2O adds on top is not part of the score. 128-query chunks keep each chunk's
+    logits cache-sized on CPU (1.6x faster than 256 at 2k tokens).
     """
 
     name = "h2o"
-    chunk_size: int = 256
+    chunk_size: int = 128
 
     def score(self, layer: LayerCapture, n_kept: int | None = None) -> torch.Tensor:
         keys = layer.keys  # (B, H_kv, n, d)
