@@ -1,4 +1,4 @@
-"""Engine vs kvpress's pipeline, one process, same model, same sample.
+"""Engine vs kvpress's pipeline: same model, same sample, each side in a fresh process.
 
 Default model, one ~2k-token needle sample, R routes at one budget (tokens per KV head):
 10 homogeneous (every candidate method) + mixed routes. The engine evaluates all R
@@ -6,7 +6,8 @@ routes from one prefill; the baseline runs kvpress's ``kv-press-text-generation`
 pipeline once per route (kvpress's own press where it has one, RoutedPress otherwise).
 
     .venv/bin/python benchmarks/engine.py                    # 12 routes
-    .venv/bin/python benchmarks/engine.py --routes 100       # 100 routes (baseline sampled)
+    .venv/bin/python benchmarks/engine.py --routes 100       # 100 routes
+    .venv/bin/python benchmarks/engine.py --repeats 3        # three alternating pairs, median ratio
 
 Peak memory is the process's peak RSS during the timed work above the RSS after loading
 the model (VmHWM reset through /proc/self/clear_refs), each side in a fresh subprocess.
@@ -93,9 +94,16 @@ def side(which: str, n_routes: int, budget: int, tokens: int, max_new: int, samp
         engine.check_routes(routes, prompt.context_ids.shape[1])
         pre = engine.prefill(prompt)
         t1 = time.perf_counter()
-        results = engine.answer(pre, routes)
+        # Score every (layer, method) the routes use up front (answer() would do it lazily)
+        # so the report can split the time into prefill, scoring and decoding.
+        counts = [engine.kept_counts(r, pre.n_tokens) for r in routes]
+        for route, kept in zip(routes, counts):
+            for layer, (entry, k) in enumerate(zip(route.layers, kept)):
+                engine.kept_indices(pre, layer, entry.method, k)
         t2 = time.perf_counter()
-        out.update(seconds=t2 - t0, prefill=t1 - t0, n_tokens=pre.n_tokens,
+        results = engine.answer(pre, routes)
+        t3 = time.perf_counter()
+        out.update(seconds=t3 - t0, prefill=t1 - t0, scoring=t2 - t1, decode=t3 - t2, n_tokens=pre.n_tokens,
                    answers=[r.answer for r in results], kv_fraction=results[0].kv_fraction)
     else:
         from transformers import pipeline
@@ -139,18 +147,28 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=12)
     parser.add_argument("--sample-baseline", type=int, default=0,
                         help="time kvpress on this many routes only and extrapolate (0: all)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run both sides this many times, alternating, and report the median ratio")
     parser.add_argument("--json", default=None, help="also write the figures here")
     args = parser.parse_args()
     common = (args.routes, args.budget, args.tokens, args.max_new_tokens, args.sample_baseline)
-    eng = run_side("engine", *common)
-    base = run_side("kvpress", *common)
+    # Alternating engine/kvpress pairs: each ratio compares two runs made back to back, so
+    # slow drifts of the machine hit both sides of a pair alike.
+    pairs = [(run_side("engine", *common), run_side("kvpress", *common)) for _ in range(max(1, args.repeats))]
+    ratios = [base["seconds"] / eng["seconds"] for eng, base in pairs]
+    mid = sorted(range(len(pairs)), key=lambda i: ratios[i])[len(pairs) // 2]  # the median pair
+    eng, base = pairs[mid]
     same = [eng["answers"][i] == a for i, a in base["answers"].items() if base["own"][i]]
     report = {
         "routes": args.routes, "budget": args.budget, "context_tokens": eng["n_tokens"],
         "engine_s": round(eng["seconds"], 2), "engine_prefill_s": round(eng["prefill"], 2),
+        "engine_scoring_s": round(eng["scoring"], 2), "engine_decode_s": round(eng["decode"], 2),
         "kvpress_s": round(base["seconds"], 2), "kvpress_measured_routes": base["measured"],
         "kvpress_per_route_s": round(base["per_route"], 2),
-        "speedup": round(base["seconds"] / eng["seconds"], 1),
+        "speedup": round(ratios[mid], 1),
+        "speedups_all_repeats": [round(r, 1) for r in ratios],
+        "engine_s_all_repeats": [round(e["seconds"], 2) for e, _ in pairs],
+        "kvpress_per_route_s_all_repeats": [round(b["per_route"], 2) for _, b in pairs],
         "engine_peak_mib": round(eng["peak_mib"]), "kvpress_peak_mib": round(base["peak_mib"]),
         "kvpress_backed_routes_identical": f"{sum(same)}/{len(same)}",
     }
