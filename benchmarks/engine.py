@@ -96,7 +96,7 @@ def side(which: str, n_routes: int, budget: int, tokens: int, max_new: int, samp
         t1 = time.perf_counter()
         # Score every (layer, method) the routes use up front (answer() would do it lazily)
         # so the report can split the time into prefill, scoring and decoding.
-        counts = [engine.kept_counts(r, pre.n_tokens) for r in routes]
+        counts = [engine.kept_counts(r, pre.n_tokens, pre.layer_tokens) for r in routes]
         for route, kept in zip(routes, counts):
             for layer, (entry, k) in enumerate(zip(route.layers, kept)):
                 engine.kept_indices(pre, layer, entry.method, k)

@@ -20,6 +20,7 @@ per-(layer, head) additive biases on the cached context keys; see
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import itertools
 from collections.abc import Callable, Iterator
@@ -35,6 +36,7 @@ from transformers.models.llama.modeling_llama import rotate_half
 
 ROUTED_PREFIX = "learnroute_"
 _BIAS_ATTR = "_learnroute_bias"
+_OWN_MASKS_ATTR = "_learnroute_own_masks"
 
 # Architectures kvpress 0.5.5 supports (its SUPPORTED_MODELS); model_type names.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "gemma3_text")
@@ -261,6 +263,18 @@ class _PreallocatedLayer(DynamicLayer):
         self.keys, self.values = self._k[:, :, : self._len], self._v[:, :, : self._len]
 
 
+def local_attention_layers(model: PreTrainedModel) -> list[bool]:
+    """Per layer: is it a local (sliding-window) attention layer of a model that mixes
+    local and global layers (Gemma3)? kvpress never compresses those; neither do we."""
+    return [bool(getattr(m, "is_sliding", False)) for m in attention_modules(model)]
+
+
+def windowed_layers(model: PreTrainedModel) -> list[bool]:
+    """Per layer: does its cache keep a sliding window only (transformers' own layer types,
+    e.g. Gemma3's local layers, or every layer of a Mistral with ``sliding_window`` set)."""
+    return [bool(getattr(layer, "is_sliding", False)) for layer in DynamicCache(config=model.config).layers]
+
+
 def build_cache(model: PreTrainedModel, kv: list[tuple[torch.Tensor, torch.Tensor]], extra: int = 0) -> DynamicCache:
     """A DynamicCache holding the given per-layer keys/values, each (B, H_kv, n_l, d).
 
@@ -305,20 +319,34 @@ def keep_rows(cache: DynamicCache, rows: torch.Tensor) -> None:
 def rotary_on_attention(model: PreTrainedModel) -> Iterator[None]:
     """Give every attention module a ``rotary_emb`` attribute for the scope.
 
-    Some kvpress scorers (ExpectedAttention) read ``module.rotary_emb``; kvpress sets it
-    inside its own press context. We set it only while scoring and remove it after.
+    Some kvpress scorers (ExpectedAttention) call ``module.rotary_emb(x, position_ids)``;
+    kvpress sets it inside its own press context. Models whose rotary embedding takes a
+    ``layer_type`` (Gemma3: local and global RoPE) get one bound to the module's own layer
+    type, which kvpress 0.5.5 does not do (its call fails on Gemma3). Whatever the modules
+    held before is restored on exit.
     """
     lm = language_model(model)
-    added = []
+    rotary = lm.rotary_emb
+    typed = "layer_type" in inspect.signature(rotary.forward).parameters
+    saved: list[tuple[nn.Module, object]] = []
     try:
         for m in attention_modules(model):
-            if not hasattr(m, "rotary_emb"):
-                m.rotary_emb = lm.rotary_emb
-                added.append(m)
+            saved.append((m, m.__dict__.get("rotary_emb", m._modules.get("rotary_emb", _MISSING))))
+            if typed and getattr(m, "layer_type", None) is not None:
+                m._modules.pop("rotary_emb", None)  # a plain attribute may not shadow a submodule
+                m.rotary_emb = functools.partial(rotary, layer_type=m.layer_type)
+            elif typed or not hasattr(m, "rotary_emb"):
+                m.rotary_emb = rotary
         yield
     finally:
-        for m in added:
-            del m.rotary_emb
+        for m, old in saved:
+            m._modules.pop("rotary_emb", None)
+            m.__dict__.pop("rotary_emb", None)
+            if old is not _MISSING:
+                m.rotary_emb = old
+
+
+_MISSING = object()
 
 
 # --------------------------------------------------------------------------- route-aware attention
@@ -333,10 +361,28 @@ def _eager_function(module: nn.Module):
 
 
 def _layer_mask(
-    attention_mask: torch.Tensor | None, q: int, kv: int, query: torch.Tensor, bias: torch.Tensor | None, eager: bool
+    attention_mask: torch.Tensor | None,
+    q: int,
+    kv: int,
+    query: torch.Tensor,
+    bias: torch.Tensor | None,
+    eager: bool,
+    rebuild: bool = False,
+    window: int | None = None,
 ) -> torch.Tensor | None:
-    """The mask for a layer with ``kv`` keys whose last ``q`` are the current queries."""
-    if attention_mask is not None and attention_mask.shape[-1] != kv:
+    """The mask for a layer with ``kv`` keys whose last ``q`` are the current queries.
+
+    ``rebuild`` (models with sliding-window layers): the stock masks are built from one
+    layer's length and offset, which per-layer cache lengths break even when the shapes
+    happen to match, so the mask is always rebuilt from this layer's own geometry. A
+    sliding layer (``window`` w) also hides keys w or more positions behind the query;
+    its cached keys are contiguous and end-aligned, so relative positions are exact.
+    """
+    if rebuild:
+        attention_mask = None
+        if window is not None and window >= kv:
+            window = None  # every key is inside the window
+    elif attention_mask is not None and attention_mask.shape[-1] != kv:
         # The stock mask was built for layer 0's length. Padding cannot be mapped onto a
         # compressed cache, so refuse it rather than attend to the wrong keys.
         past0 = attention_mask.shape[-1] - q
@@ -345,14 +391,17 @@ def _layer_mask(
         if past0 > 0 and bool(blocked.any()):
             raise ValueError("padded batches are not supported with per-layer cache lengths")
         attention_mask = None
-    if attention_mask is None and bias is None and (q == 1 or q == kv) and not eager:
+    if attention_mask is None and bias is None and window is None and (q == 1 or q == kv) and not eager:
         return None  # sdpa: no mask (q == 1) or is_causal (q == kv), as stock transformers does
     if attention_mask is None:
-        # Key j is visible to query i iff j <= kv - q + i (new tokens are the last q keys).
+        # Key j is visible to query i iff j <= kv - q + i (new tokens are the last q keys),
+        # and, in a sliding layer, iff it is less than ``window`` positions behind.
         i = torch.arange(q, device=query.device).unsqueeze(1)
         j = torch.arange(kv, device=query.device).unsqueeze(0)
-        allowed = (j <= kv - q + i)[None, None]  # (1, 1, q, kv)
-        attention_mask = allowed
+        allowed = j <= kv - q + i  # (q, kv)
+        if window is not None:
+            allowed &= (kv - q + i) - j < window
+        attention_mask = allowed[None, None]  # (1, 1, q, kv)
     if bias is None:
         if eager and attention_mask.dtype == torch.bool:
             return torch.zeros_like(attention_mask, dtype=query.dtype).masked_fill(
@@ -392,14 +441,19 @@ def _routed(eager: bool):
     def attention(module, query, key, value, attention_mask, dropout=0.0, **kwargs):
         q, kv = query.shape[2], key.shape[2]
         bias = getattr(module, _BIAS_ATTR, None)
+        # Models with sliding-window layers rebuild every mask (see _layer_mask).
+        rebuild = getattr(module, _OWN_MASKS_ATTR, False)
         # Without a mask, several queries over a longer cache need one aligned to the end of
         # the keys (sdpa's is_causal would align it to the start); see forward_from_layer.
         if (
             bias is not None
+            or rebuild
             or (attention_mask is not None and attention_mask.shape[-1] != kv)
             or (attention_mask is None and (eager or 1 < q != kv))
         ):
-            attention_mask = _layer_mask(attention_mask, q, kv, query, bias, eager)
+            attention_mask = _layer_mask(
+                attention_mask, q, kv, query, bias, eager, rebuild, kwargs.get("sliding_window")
+            )
         if eager:
             return _eager_function(module)(module, query, key, value, attention_mask, dropout=dropout, **kwargs)
         if attention_mask is not None and query.device.type == "cpu" and key.shape[1] != query.shape[1]:
@@ -446,11 +500,17 @@ def routed_attention(model: PreTrainedModel) -> Iterator[PreTrainedModel]:
         raise ValueError(
             f"per-layer cache lengths need attn_implementation 'sdpa' or 'eager', got {original!r}"
         )
+    modules = attention_modules(model) if any(windowed_layers(model)) else []
     try:
         _set_attn(model, ROUTED_PREFIX + original)
+        for m in modules:
+            setattr(m, _OWN_MASKS_ATTR, True)
         yield model
     finally:
         _set_attn(model, original)
+        for m in modules:
+            if hasattr(m, _OWN_MASKS_ATTR):
+                delattr(m, _OWN_MASKS_ATTR)
 
 
 @contextlib.contextmanager

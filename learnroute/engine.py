@@ -79,6 +79,12 @@ class Prefill:
     def n_tokens(self) -> int:
         return int(self.prompt.context_ids.shape[1])
 
+    @property
+    def layer_tokens(self) -> list[int]:
+        """Tokens each layer's cache holds after the prefill: ``n_tokens``, or fewer in
+        sliding-window layers whose window is shorter than the context."""
+        return [int(cap.keys.shape[2]) for cap in self.layers]
+
 
 @dataclass
 class RouteResult:
@@ -129,6 +135,7 @@ class Engine:
         self.method_options = method_options or {}
         self._methods: dict[str, Method] = {}
         self.n_layers = len(_hf.attention_modules(model))
+        self._local = _hf.local_attention_layers(model)  # never compressed (Gemma3's local layers)
 
     # ------------------------------------------------------------------ set-up
 
@@ -195,7 +202,7 @@ class Engine:
 
     def kept_indices(self, prefill: Prefill, layer: int, method: str, n_kept: int) -> torch.Tensor:
         """Positions (1, H_kv, n_kept) kept by ``method`` at ``layer`` (cached per prefill)."""
-        n = prefill.n_tokens
+        n = prefill.layer_tokens[layer]
         if self.method(method).keeps_all:
             n_kept = n
         key = (layer, method, n_kept)
@@ -208,12 +215,22 @@ class Engine:
             prefill._indices[key] = idx
         return prefill._indices[key]
 
-    def kept_counts(self, route: Route, n_tokens: int) -> list[int]:
-        """Tokens kept per KV head in each layer for a context of ``n_tokens``."""
-        return [
-            n_tokens if self.method(e.method).keeps_all else resolve_budget(e.budget, n_tokens)
-            for e in route.layers
-        ]
+    def kept_counts(self, route: Route, n_tokens: int, layer_tokens: list[int] | None = None) -> list[int]:
+        """Tokens kept per KV head in each layer for a context of ``n_tokens``.
+
+        Local sliding-window layers (Gemma3's) are not compressed, whatever the route says,
+        as kvpress does for Gemma3: they keep what their cache holds after the prefill,
+        ``layer_tokens`` (:attr:`Prefill.layer_tokens`; their window, when the context is
+        longer). So does any layer whose cache holds fewer tokens than the context.
+        """
+        counts = []
+        for layer, e in enumerate(route.layers):
+            held = n_tokens if layer_tokens is None else layer_tokens[layer]
+            if self._local[layer] or held < n_tokens:
+                counts.append(held)
+            else:
+                counts.append(n_tokens if self.method(e.method).keeps_all else resolve_budget(e.budget, n_tokens))
+        return counts
 
     def compress(
         self, prefill: Prefill, routes: list[Route], counts: list[list[int]] | None = None
@@ -222,7 +239,7 @@ class Engine:
 
         ``counts`` (per route, per layer) skips recomputing :meth:`kept_counts`.
         """
-        counts = counts or [self.kept_counts(r, prefill.n_tokens) for r in routes]
+        counts = counts or [self.kept_counts(r, prefill.n_tokens, prefill.layer_tokens) for r in routes]
         kv = []
         for layer in range(len(prefill.layers)):
             k, v = self._empty_kv(prefill, layer, len(routes), counts[0][layer])
@@ -323,11 +340,13 @@ class Engine:
         self.check_routes(routes, prefill.n_tokens)
         n = prefill.n_tokens
         cap0 = prefill.layers[0]
-        per_token = 2 * cap0.keys.shape[1] * cap0.keys.shape[-1] * cap0.keys.element_size()
-        full_bytes = per_token * n * self.n_layers
+        # Bytes of keys + values per kept token per layer; the full cache is what the prefill
+        # left in every layer (a sliding-window layer holds its window only).
+        per_token = cap0.keys.shape[1] * (cap0.keys.shape[-1] + cap0.values.shape[-1]) * cap0.keys.element_size()
+        full_bytes = per_token * sum(prefill.layer_tokens)
         groups: dict[tuple[int, ...], list[int]] = defaultdict(list)
         for i, route in enumerate(routes):
-            groups[tuple(self.kept_counts(route, n))].append(i)
+            groups[tuple(self.kept_counts(route, n, prefill.layer_tokens))].append(i)
         results: list[RouteResult | None] = [None] * len(routes)
         max_new = max_new_tokens or self.max_new_tokens
         extra = prefill.prompt.question_ids.shape[1] + max_new  # tokens each layer's cache grows by

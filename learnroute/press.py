@@ -52,6 +52,10 @@ class RoutedPress(BasePress):
         entry = self.route.layers[module.layer_idx]
         method = self._methods[entry.method]
         n = keys.shape[2]
+        if self._local[module.layer_idx] or n < hidden_states.shape[1]:
+            # Local sliding-window layers (Gemma3's) are left as they are, as kvpress does for
+            # Gemma3, and so is any layer whose cache holds only a window of the context.
+            return keys, values
         n_kept = n if method.keeps_all else resolve_budget(entry.budget, n)
         if n_kept >= n:
             return keys, values
@@ -63,11 +67,15 @@ class RoutedPress(BasePress):
     @contextlib.contextmanager
     def __call__(self, model: PreTrainedModel) -> Generator:
         self.route.check_layers(len(_hf.attention_modules(model)))
-        if len(set(self.route.budgets)) > 1 and not _hf.is_routed(model):
+        self._local = _hf.local_attention_layers(model)
+        if (len(set(self.route.budgets)) > 1 or any(self._local)) and not _hf.is_routed(model):
             raise RuntimeError(
-                "this route keeps different token counts per layer; kvpress decodes after the press "
+                "this route keeps different token counts per layer (or the model has local sliding-window "
+                "layers, which keep their cache); kvpress decodes after the press "
                 "context closes, so wrap the pipeline call in `with learnroute.routed_attention(model):` "
                 "(or load the model with attn_implementation='learnroute_sdpa')"
             )
-        with _hf.rotary_on_attention(model), super().__call__(model):
+        # kvpress's context sets each module's rotary_emb itself; ours goes second so that
+        # layer-typed rotaries (Gemma3) get the module's own layer type.
+        with super().__call__(model), _hf.rotary_on_attention(model):
             yield

@@ -116,6 +116,14 @@ def sample_damage(engine, sample: Sample, budgets: list[Budget], methods: list[s
     from learnroute import _hf
 
     model, tok = engine.model, engine.tokenizer
+    if any(_hf.windowed_layers(model)):
+        # The packed cells (one sequence, block masks, full context in every upper layer)
+        # assume every layer caches the whole context; sliding-window caches break that.
+        raise ValueError(
+            f"profiling {_hf.model_type(model)!r}: models with sliding-window attention layers "
+            "(e.g. Gemma3's local layers) are not supported by `learnroute profile` yet; "
+            "bench, placement and RoutedPress do support them"
+        )
     prompt = engine.encode(
         sample.context, sample.question, sample.answer_prefix, chat=sample.meta.get("chat_template", True)
     )

@@ -1,0 +1,99 @@
+"""The engine and RoutedPress on every architecture kvpress supports (tiny random models).
+
+Gemma3 mixes local sliding-window layers with global ones: its local layers keep their
+window uncompressed, as kvpress does for Gemma3, and masks are rebuilt per layer.
+"""
+
+import pytest
+import torch
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    MistralConfig,
+    MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    pipeline,
+)
+
+import learnroute as lr
+from learnroute import Engine, Route, RoutedPress
+from learnroute.profile import CANDIDATES
+
+WINDOW = 64  # Gemma3's local window here, shorter than the ~330-token context
+ARCHS = {
+    "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {}),
+    "phi3": (Phi3Config, Phi3ForCausalLM, {"pad_token_id": 0}),
+    "gemma3": (
+        Gemma3TextConfig,
+        Gemma3ForCausalLM,
+        {"sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"] * 2},
+    ),
+}
+
+
+def tiny(arch: str, tokenizer):
+    config_cls, model_cls, extra = ARCHS[arch]
+    config = config_cls(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+        eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True, **extra,
+    )
+    torch.manual_seed(0)
+    model = model_cls(config).eval()
+    model.set_attn_implementation("sdpa")
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.eos_token_id
+    return model
+
+
+MIXED = Route.from_layers(["snapkv", "tova", "h2o", "knorm"], [8, 40, 0.25, 100], source="test")
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_every_method_runs_and_keeping_everything_reproduces_transformers(arch, tokenizer, sample):
+    model = tiny(arch, tokenizer)
+    engine = Engine(model, tokenizer, max_new_tokens=6)
+    prompt = engine.encode(sample.context, sample.question)
+    n = prompt.context_ids.shape[1]
+    routes = [Route.full(4), *(Route.homogeneous(m, 4, 40) for m in CANDIDATES), MIXED]
+    results = engine.answer(engine.prefill(prompt), routes, keep_logits=True)
+    ids = torch.cat([prompt.context_ids, prompt.question_ids], dim=1)
+    with torch.no_grad():
+        ref_logits = model(ids).logits[0, -1]
+        ref = model.generate(ids, max_new_tokens=6, do_sample=False, attention_mask=torch.ones_like(ids))
+    full = results[0]
+    torch.testing.assert_close(full.first_logits, ref_logits, rtol=1e-4, atol=1e-4)
+    assert full.token_ids == ref[0, ids.shape[1] :].tolist()[: len(full.token_ids)]
+    local = arch == "gemma3"  # layers 0 and 2 keep their window (WINDOW - 1 tokens), untouched
+    expected = [WINDOW - 1, 40, WINDOW - 1, 100] if local else [8, 40, int(n * 0.25), 100]
+    assert results[-1].kept_per_layer == expected
+    assert all(len(r.token_ids) >= 1 for r in results)
+
+
+def test_gemma3_routed_press_in_kvpress_pipeline_gives_the_engine_answers(tokenizer, sample):
+    model = tiny("gemma3", tokenizer)
+    routes = [Route.homogeneous("expected_attention", 4, 40), MIXED]
+    ours = Engine(model, tokenizer, max_new_tokens=6).run(sample.context, sample.question, routes)
+    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device="cpu")
+    for route, res in zip(routes, ours):
+        with lr.routed_attention(model):
+            answer = pipe(sample.context, question=sample.question, press=RoutedPress(route), max_new_tokens=6)
+        assert answer["answer"] == res.answer
+    # Local layers keep more tokens than the global ones: without route-aware attention the
+    # stock masks would be wrong, so the press refuses before any forward.
+    with pytest.raises(RuntimeError, match="routed_attention"):
+        pipe(sample.context, question=sample.question, press=RoutedPress(routes[0]), max_new_tokens=2)
+
+
+def test_profile_refuses_sliding_window_models_before_any_forward(tokenizer, sample):
+    from learnroute.profile import sample_damage
+
+    with pytest.raises(ValueError, match="sliding-window"):
+        sample_damage(Engine(tiny("gemma3", tokenizer), tokenizer), sample, [40], ["knorm"])
