@@ -315,6 +315,9 @@ def keep_rows(cache: DynamicCache, rows: torch.Tensor) -> None:
     cache.batch_select_indices(rows)
 
 
+_MISSING = object()  # "the module had no such attribute"
+
+
 @contextlib.contextmanager
 def rotary_on_attention(model: PreTrainedModel) -> Iterator[None]:
     """Give every attention module a ``rotary_emb`` attribute for the scope.
@@ -344,9 +347,6 @@ def rotary_on_attention(model: PreTrainedModel) -> Iterator[None]:
             m.__dict__.pop("rotary_emb", None)
             if old is not _MISSING:
                 m.rotary_emb = old
-
-
-_MISSING = object()
 
 
 # --------------------------------------------------------------------------- route-aware attention

@@ -342,7 +342,8 @@ class Engine:
         cap0 = prefill.layers[0]
         # Bytes of keys + values per kept token per layer; the full cache is what the prefill
         # left in every layer (a sliding-window layer holds its window only).
-        per_token = cap0.keys.shape[1] * (cap0.keys.shape[-1] + cap0.values.shape[-1]) * cap0.keys.element_size()
+        per_row = cap0.keys.shape[1] * (cap0.keys.shape[-1] + cap0.values.shape[-1])  # elements per kept token
+        per_token = per_row * cap0.keys.element_size()
         full_bytes = per_token * sum(prefill.layer_tokens)
         groups: dict[tuple[int, ...], list[int]] = defaultdict(list)
         for i, route in enumerate(routes):
@@ -350,7 +351,6 @@ class Engine:
         results: list[RouteResult | None] = [None] * len(routes)
         max_new = max_new_tokens or self.max_new_tokens
         extra = prefill.prompt.question_ids.shape[1] + max_new  # tokens each layer's cache grows by
-        per_row = cap0.keys.shape[1] * (cap0.keys.shape[-1] + cap0.values.shape[-1])  # elements per kept token
         workspace = cap0.keys.new_empty(
             max(min(len(m), self.max_batch) * per_row * (sum(s) + extra * len(s)) for s, m in groups.items())
         )
