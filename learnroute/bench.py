@@ -245,6 +245,7 @@ def run_bench(config: BenchConfig, overwrite: bool = False) -> Path:
     done = {result_key(r) for r in read_jsonl(out / "results.jsonl")}
     mine = samples[rank::world]
     engine = Engine(model, tokenizer, query_aware=config.query_aware, max_batch=config.max_batch)
+    newline_id = tokenizer.encode("\n", add_special_tokens=False)[-1]  # as LongBench's pred.py takes it
     wb = _wandb_run(config, out) if config.wandb and state.is_main_process else None
     warned: set[tuple] = set()
     bar = tqdm(mine, desc=f"bench[{rank}]" if world > 1 else "bench", disable=not state.is_main_process, unit="sample")
@@ -270,7 +271,11 @@ def run_bench(config: BenchConfig, overwrite: bool = False) -> Path:
                 )
         engine.check_routes([c.route for c in todo], n)
         prefill = engine.prefill(prompt)
-        results = engine.answer(prefill, [c.route for c in todo], max_new_tokens=max_new)
+        # LongBench's samsum generates with "\n" as a second EOS and at least one new token.
+        stop = (newline_id,) if sample.meta.get("stop_at_newline") else ()
+        results = engine.answer(
+            prefill, [c.route for c in todo], max_new_tokens=max_new, stop_token_ids=stop, min_new_tokens=len(stop)
+        )
         rows = []
         for c, r in zip(todo, results):
             rows.append(

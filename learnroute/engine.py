@@ -293,23 +293,40 @@ class Engine:
     # ------------------------------------------------------------------ decode
 
     @torch.no_grad()
-    def _decode(self, cache, question_ids: torch.Tensor, n_ctx: int, n_rows: int, max_new_tokens: int):
+    def _decode(
+        self,
+        cache,
+        question_ids: torch.Tensor,
+        n_ctx: int,
+        n_rows: int,
+        max_new_tokens: int,
+        stop_token_ids: tuple[int, ...] = (),
+        min_new_tokens: int = 0,
+    ):
         """Greedy decoding for ``n_rows`` rows sharing one question; original positions.
 
-        Rows that have produced EOS leave the batch (their cache rows are dropped), so a
-        batch costs what its unfinished rows cost.
+        Rows that have produced EOS (or a ``stop_token_ids`` token) leave the batch (their
+        cache rows are dropped), so a batch costs what its unfinished rows cost. Until
+        ``min_new_tokens`` tokens exist, stop tokens cannot be chosen (transformers'
+        ``min_new_tokens``).
         """
         q = question_ids.shape[1]
         ids = question_ids.expand(n_rows, q)  # (R, q)
         pos = torch.arange(n_ctx, n_ctx + q).unsqueeze(0).expand(n_rows, q)  # (R, q)
-        eos = torch.tensor(_hf.eos_token_ids(self.model), dtype=torch.long)
+        eos = torch.tensor([*_hf.eos_token_ids(self.model), *stop_token_ids], dtype=torch.long)
+
+        def greedy(logits: torch.Tensor, produced: int) -> torch.Tensor:  # (R, vocab) -> (R,)
+            if produced < min_new_tokens and len(eos):
+                logits = logits.index_fill(-1, eos, float("-inf"))
+            return logits.argmax(-1)
+
         rows: list[list[int]] = [[] for _ in range(n_rows)]
         alive = torch.arange(n_rows)  # original row of each batch row
         done = torch.zeros(n_rows, dtype=torch.bool)  # batch rows that have produced EOS
         with _hf.routed_attention(self.model):
             out = self.model(input_ids=ids, past_key_values=cache, position_ids=pos, logits_to_keep=1)
             first_logits = out.logits[:, -1].float()  # (R, vocab)
-            nxt = first_logits.argmax(-1)  # (R,)
+            nxt = greedy(first_logits, 0)  # (R,)
             next_pos = n_ctx + q
             for step in range(max_new_tokens):
                 for row, tok, finished in zip(alive.tolist(), nxt.tolist(), done.tolist()):
@@ -326,16 +343,25 @@ class Engine:
                     alive, nxt, done = alive[keep], nxt[keep], done[keep]
                 step_pos = torch.full((len(alive), 1), next_pos, dtype=torch.long)  # (R_alive, 1)
                 out = self.model(input_ids=nxt.unsqueeze(1), past_key_values=cache, position_ids=step_pos)
-                nxt = out.logits[:, -1].argmax(-1)
+                nxt = greedy(out.logits[:, -1], step + 1)
                 next_pos += 1
         return rows, first_logits
 
     def answer(
-        self, prefill: Prefill, routes: list[Route], keep_logits: bool = False, max_new_tokens: int | None = None
+        self,
+        prefill: Prefill,
+        routes: list[Route],
+        keep_logits: bool = False,
+        max_new_tokens: int | None = None,
+        stop_token_ids: tuple[int, ...] = (),
+        min_new_tokens: int = 0,
     ) -> list[RouteResult]:
         """Decode the question under every route; same-shape routes share a batch.
 
-        ``max_new_tokens`` overrides the engine's cap for this sample (per-task limits).
+        Per-sample options: ``max_new_tokens`` overrides the engine's cap (per-task
+        limits); ``stop_token_ids`` end an answer like EOS does (kept in ``token_ids``);
+        stop tokens and EOS cannot be chosen before ``min_new_tokens`` tokens (LongBench's
+        samsum: stop at a newline, after at least one token).
         """
         self.check_routes(routes, prefill.n_tokens)
         n = prefill.n_tokens
@@ -359,7 +385,9 @@ class Engine:
                 chunk = members[start : start + self.max_batch]
                 t0 = time.perf_counter()
                 cache = self._decode_cache(prefill, [routes[i] for i in chunk], shape, extra, workspace)
-                rows, logits = self._decode(cache, prefill.prompt.question_ids, n, len(chunk), max_new)
+                rows, logits = self._decode(
+                    cache, prefill.prompt.question_ids, n, len(chunk), max_new, tuple(stop_token_ids), min_new_tokens
+                )
                 share = (time.perf_counter() - t0) / len(chunk)
                 for j, (i, toks) in enumerate(zip(chunk, rows)):
                     results[i] = RouteResult(

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from transformers import AutoTokenizer
 
 import learnroute as lr
 from learnroute.bench import BenchConfig, run_bench
@@ -267,3 +268,25 @@ def test_wandb_logging_is_optional_and_offline(tiny_dir, tmp_path, monkeypatch):
     out2 = tmp_path / "run2"
     run_bench(config_for(tiny_dir, out2, tasks="{niah_single_1: 1}", routes="[full]"))
     assert not (out2 / "wandb").exists()  # off by default
+
+
+def test_samsum_stops_at_a_newline_after_at_least_one_token(tiny_dir, tmp_path, monkeypatch):
+    """LongBench's pred.py decodes samsum with "\\n" as a second EOS and min_length + 1."""
+    from learnroute.engine import Engine
+
+    calls = []
+    answer = Engine.answer
+
+    def spy(self, prefill, routes, **kwargs):
+        calls.append(kwargs)
+        return answer(self, prefill, routes, **kwargs)
+
+    monkeypatch.setattr(Engine, "answer", spy)
+    data = Path(__file__).parent / "data" / "longbench"
+    cfg = config_for(tiny_dir, tmp_path / "run", tasks="{longbench/samsum: 1, longbench/trec: 1}",
+                     routes="[full]", budgets="[0.5]", longbench_dir=str(data))
+    run_bench(cfg)
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    newline = tok.encode("\n", add_special_tokens=False)[-1]
+    stops = sorted((c["stop_token_ids"], c["min_new_tokens"]) for c in calls)
+    assert stops == [((), 0), ((newline,), 1)]  # trec: model EOS only; samsum: newline too

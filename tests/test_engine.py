@@ -230,3 +230,16 @@ def test_routes_that_stop_early_leave_the_batch_without_changing_the_others(toke
         cut = f.token_ids.index(stop) + 1 if stop in f.token_ids else len(f.token_ids)
         assert r.token_ids == f.token_ids[:cut]
     assert compactions and compactions[0] != list(range(len(compactions[0])))  # rows really moved
+
+
+def test_stop_tokens_end_an_answer_and_min_new_tokens_delays_them(tiny, tokenizer, sample):
+    engine = Engine(tiny, tokenizer, max_new_tokens=8)
+    pre = engine.prefill(engine.encode(sample.context, sample.question))
+    routes = [Route.homogeneous("knorm", 4, 0.5)]
+    (free,) = engine.answer(pre, routes)
+    first = free.token_ids[0]
+    (stopped,) = engine.answer(pre, routes, stop_token_ids=(first,))
+    assert stopped.token_ids == [first]  # the stop token ends the answer and is kept, like EOS
+    (delayed,) = engine.answer(pre, routes, stop_token_ids=(first,), min_new_tokens=1)
+    assert delayed.token_ids[0] != first  # not allowed as the first token
+    assert first not in delayed.token_ids[:-1]  # and still a stop token after it
