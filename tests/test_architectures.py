@@ -97,3 +97,20 @@ def test_profile_refuses_sliding_window_models_before_any_forward(tokenizer, sam
 
     with pytest.raises(ValueError, match="sliding-window"):
         sample_damage(Engine(tiny("gemma3", tokenizer), tokenizer), sample, [40], ["knorm"])
+
+
+def test_bench_runs_a_gemma3_model_folder(tokenizer, tmp_path):
+    """`learnroute bench` on a local Gemma3 folder: load, route, compress, score."""
+    from learnroute.cli import main
+    from learnroute.runs import read_jsonl
+
+    folder = tmp_path / "tiny-gemma3"
+    tiny("gemma3", tokenizer).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    out = tmp_path / "run"
+    main(["bench", f"model={folder}", "tasks={niah_single_1: 2}", "context_tokens=200", "budgets=[16]",
+          "routes=[full, homogeneous:snapkv, pyramid:tova]", "max_new_tokens=3", f"output={out}"])
+    rows = read_jsonl(out / "results.jsonl")
+    assert len(rows) == 2 * 3
+    full = {r["sample_id"]: r["kv_bytes"] for r in rows if r["route"] == "full"}
+    assert all(r["kv_bytes"] < full[r["sample_id"]] for r in rows if r["route"] != "full")
