@@ -197,21 +197,55 @@ def forward_from_layer(
     """
     lm = language_model(model)
     eager = attn_implementation(model).endswith("eager")
-    position_embeddings = lm.rotary_emb(hidden, position_ids=position_ids)  # cos, sin: (B, t, d)
-    for i, layer in enumerate(decoder_layers(model)[start:], start):
-        mask = None if masks is None else masks(i)
-        if mask is not None and eager:  # eager attention adds its mask: make it additive
-            mask = torch.zeros(mask.shape, dtype=hidden.dtype).masked_fill(~mask, torch.finfo(hidden.dtype).min)
-        out = layer(
-            hidden,
-            attention_mask=mask,
-            position_ids=position_ids,
-            past_key_values=cache,
-            use_cache=True,
-            position_embeddings=position_embeddings,
-        )
-        hidden = out[0] if isinstance(out, tuple) else out  # transformers < 5 returns tuples
-    return model.lm_head(lm.norm(hidden[:, keep]))
+    rope = _position_embeddings(model, hidden, position_ids)
+    layers = decoder_layers(model)[start:]
+    # Masks given here are the caller's own: models with sliding windows must not swap them
+    # for rebuilt ones (see routed_attention).
+    own = [m.self_attn for m in layers if masks is not None and hasattr(m.self_attn, _OWN_MASKS_ATTR)]
+    try:
+        for m in own:
+            setattr(m, _OWN_MASKS_ATTR, False)
+        for i, layer in enumerate(layers, start):
+            mask = None if masks is None else masks(i)
+            if mask is not None and eager:  # eager attention adds its mask: make it additive
+                mask = torch.zeros(mask.shape, dtype=hidden.dtype).masked_fill(~mask, torch.finfo(hidden.dtype).min)
+            out = layer(
+                hidden,
+                attention_mask=mask,
+                position_ids=position_ids,
+                past_key_values=cache,
+                use_cache=True,
+                position_embeddings=rope(layer),
+            )
+            hidden = out[0] if isinstance(out, tuple) else out  # transformers < 5 returns tuples
+    finally:
+        for m in own:
+            setattr(m, _OWN_MASKS_ATTR, True)
+    logits = model.lm_head(lm.norm(hidden[:, keep]))
+    cap = getattr(text_config(model), "final_logit_softcapping", None)
+    if cap is not None:  # Gemma-style soft-capping, as the model's own forward applies it
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+def _position_embeddings(model: PreTrainedModel, hidden: torch.Tensor, position_ids: torch.Tensor):
+    """A function giving each decoder layer its RoPE tables (cos, sin: (B, t, d)).
+
+    One table for most models; Gemma3 has one per layer type (local and global RoPE).
+    """
+    rotary = language_model(model).rotary_emb
+    if "layer_type" not in inspect.signature(rotary.forward).parameters:
+        table = rotary(hidden, position_ids=position_ids)
+        return lambda layer: table
+    tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def per_type(layer):
+        kind = layer.attention_type
+        if kind not in tables:
+            tables[kind] = rotary(hidden, position_ids, kind)
+        return tables[kind]
+
+    return per_type
 
 
 class _PreallocatedLayer(DynamicLayer):
@@ -269,10 +303,17 @@ def local_attention_layers(model: PreTrainedModel) -> list[bool]:
     return [bool(getattr(m, "is_sliding", False)) for m in attention_modules(model)]
 
 
+def cache_windows(model: PreTrainedModel) -> list[int | None]:
+    """Per layer: the sliding window of its cache, or None for a full cache (transformers'
+    own layer types: Gemma3's local layers, every layer of a Mistral with
+    ``sliding_window`` set). Such a cache holds the last ``window - 1`` tokens."""
+    layers = DynamicCache(config=model.config).layers
+    return [getattr(layer, "sliding_window", None) if getattr(layer, "is_sliding", False) else None for layer in layers]
+
+
 def windowed_layers(model: PreTrainedModel) -> list[bool]:
-    """Per layer: does its cache keep a sliding window only (transformers' own layer types,
-    e.g. Gemma3's local layers, or every layer of a Mistral with ``sliding_window`` set)."""
-    return [bool(getattr(layer, "is_sliding", False)) for layer in DynamicCache(config=model.config).layers]
+    """Per layer: does its cache keep a sliding window only (see :func:`cache_windows`)."""
+    return [w is not None for w in cache_windows(model)]
 
 
 def build_cache(model: PreTrainedModel, kv: list[tuple[torch.Tensor, torch.Tensor]], extra: int = 0) -> DynamicCache:

@@ -116,14 +116,6 @@ def sample_damage(engine, sample: Sample, budgets: list[Budget], methods: list[s
     from learnroute import _hf
 
     model, tok = engine.model, engine.tokenizer
-    if any(_hf.windowed_layers(model)):
-        # The packed cells (one sequence, block masks, full context in every upper layer)
-        # assume every layer caches the whole context; sliding-window caches break that.
-        raise ValueError(
-            f"profiling {_hf.model_type(model)!r}: models with sliding-window attention layers "
-            "(e.g. Gemma3's local layers) are not supported by `learnroute profile` yet; "
-            "bench, placement and RoutedPress do support them"
-        )
     prompt = engine.encode(
         sample.context, sample.question, sample.answer_prefix, chat=sample.meta.get("chat_template", True)
     )
@@ -139,23 +131,30 @@ def sample_damage(engine, sample: Sample, budgets: list[Budget], methods: list[s
     keep = slice(q - 1, q + a - 1)
     target = answer_ids[0]  # (a,)
     full_kv = [(c.keys, c.values) for c in prefill.layers]
-    inputs, logits = _hf.layer_inputs(model, _hf.build_cache(model, full_kv), ids, pos)
+    with _hf.routed_attention(model):  # sliding-window caches need per-layer masks
+        inputs, logits = _hf.layer_inputs(model, _hf.build_cache(model, full_kv), ids, pos)
     ref_logp = torch.log_softmax(logits[0, keep].float(), -1)  # (a, V)
     ref_nll = -ref_logp.gather(-1, target[:, None]).mean()
     L, M = engine.n_layers, len(methods)
+    # Layers the engine never compresses (Gemma3's local layers, windows shorter than the
+    # context): no cells, zero damage.
+    fixed = [layer for layer in range(L) if engine.is_fixed(layer) or prefill.layer_tokens[layer] < n]
     t_scores = time.perf_counter()
     kept = {
         (layer, m, budget): engine.kept_indices(prefill, layer, m, resolve_budget(budget, n))  # (1, H_kv, k)
         for budget in budgets
         for layer in range(L)
+        if layer not in fixed
         for m in methods
     }
     t_cells = time.perf_counter()
-    out: dict[str, Any] = {"kl": {}, "nll": {}, "n_tokens": n, "answer_tokens": a}
+    out: dict[str, Any] = {"kl": {}, "nll": {}, "n_tokens": n, "answer_tokens": a, "fixed_layers": fixed}
     for budget in budgets:
         kl = torch.zeros(L, M)
         nll = torch.zeros(L, M)
         for layer in range(L):
+            if layer in fixed:
+                continue
             # Distinct kept-index sets among the methods (identical sets share one row).
             rows: list[torch.Tensor] = []
             row_of: list[int] = []
@@ -219,6 +218,23 @@ def _packed_cells(model, prefill, full_kv, layer: int, rows: list[torch.Tensor],
     ctx_kept = cell[:, None] == torch.arange(R).repeat_interleave(k)[None, :]  # (R*t, R*k)
     mask_full = torch.cat([ctx_full, own], 1)[None, None]  # (1, 1, R*t, n + R*t)
     mask_layer = torch.cat([ctx_kept, own], 1)[None, None]  # (1, 1, R*t, R*k + R*t)
+    windows = _hf.cache_windows(model)
+    held = prefill.layer_tokens
+    window_masks: dict[tuple[int, int], torch.Tensor] = {}
+
+    def upper_mask(j: int) -> torch.Tensor:
+        """Mask of an unchanged layer above ``layer``; a sliding-window layer holds the last
+        c context tokens (positions n-c..n-1) and sees w positions back from each query."""
+        w = windows[j]
+        if w is None:
+            return mask_full
+        if (w, held[j]) not in window_masks:
+            c = held[j]
+            ctx = torch.arange(c)[None, :] > step[:, None] + c - w  # (R*t, c): n+s - (n-c+i) < w
+            near = own & (step[:, None] - step[None, :] < w)  # (R*t, R*t)
+            window_masks[(w, c)] = torch.cat([ctx, near], 1)[None, None]  # (1, 1, R*t, c + R*t)
+        return window_masks[(w, held[j])]
+
     packed = hidden.expand(R, -1, -1).reshape(1, R * t, -1)  # (1, R*t, D)
     positions = pos.repeat(1, R)  # (1, R*t)
     offsets = (torch.arange(R)[:, None] * t + torch.arange(keep.start, keep.stop)[None, :]).reshape(-1)  # (R*a,)
@@ -230,7 +246,7 @@ def _packed_cells(model, prefill, full_kv, layer: int, rows: list[torch.Tensor],
             _hf.build_cache(model, kv),
             positions,
             offsets,
-            masks=lambda i: mask_layer if i == layer else mask_full,
+            masks=lambda i: mask_layer if i == layer else upper_mask(i),
         )  # (1, R*a, V)
     return logits.view(R, keep.stop - keep.start, -1)  # (R, a, V)
 
@@ -324,7 +340,13 @@ def build_routes(
         sens = sensitivity(damage)
         prov = {"source": "profile", "budget": budget, "select_by": select, "samples": profile.get("n_samples")}
         routes[f"profile_{budget}"] = Route.from_layers(chosen, budget, model=profile.get("model"), **prov)
-        alloc = allocate_by_sensitivity(sens, budget, cap=profile.get("n_tokens_min"))
+        # Share the budget among the layers routes can compress; fixed layers keep the
+        # nominal budget, which the engine ignores there.
+        fixed = set(profile.get("fixed_layers", []))
+        free = [i for i in range(len(sens)) if i not in fixed]
+        alloc = [budget] * len(sens)
+        for i, b in zip(free, allocate_by_sensitivity([sens[i] for i in free], budget, cap=profile.get("n_tokens_min"))):
+            alloc[i] = b
         routes[f"profile_{budget}_alloc"] = Route.from_layers(
             chosen, alloc, model=profile.get("model"), **{**prov, "allocator": "sensitivity"}
         )
@@ -388,6 +410,8 @@ def aggregate(config: ProfileConfig, model: str, n_layers: int, cells: list[dict
         "select_by": config.select_by,
         "n_samples": len(cells),
         "n_tokens_min": min(c["n_tokens"] for c in cells),  # shortest context profiled
+        # layers no route compresses (Gemma3's local layers): zero damage, no cells
+        "fixed_layers": sorted({layer for c in cells for layer in c.get("fixed_layers", [])}),
         "sample_ids": [c["sample_id"] for c in cells],
         "damage": damage,
         "sensitivity": sens,

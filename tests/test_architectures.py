@@ -1,7 +1,8 @@
 """The engine and RoutedPress on every architecture kvpress supports (tiny random models).
 
 Gemma3 mixes local sliding-window layers with global ones: its local layers keep their
-window uncompressed, as kvpress does for Gemma3, and masks are rebuilt per layer.
+window uncompressed, as kvpress does for Gemma3, masks are rebuilt per layer, and
+profiles skip the local layers.
 """
 
 import pytest
@@ -92,11 +93,24 @@ def test_gemma3_routed_press_in_kvpress_pipeline_gives_the_engine_answers(tokeni
         pipe(sample.context, question=sample.question, press=RoutedPress(routes[0]), max_new_tokens=2)
 
 
-def test_profile_refuses_sliding_window_models_before_any_forward(tokenizer, sample):
-    from learnroute.profile import sample_damage
+def test_profile_of_gemma3_skips_local_layers_and_allocates_among_the_global_ones(tokenizer, tmp_path):
+    from learnroute.config import load_config
+    from learnroute.profile import ProfileConfig, load_profile, run_profile
 
-    with pytest.raises(ValueError, match="sliding-window"):
-        sample_damage(Engine(tiny("gemma3", tokenizer), tokenizer), sample, [40], ["knorm"])
+    folder = tmp_path / "tiny-gemma3"
+    tiny("gemma3", tokenizer).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    cfg = load_config(ProfileConfig, None, [
+        f"model={folder}", "tasks={niah_single_1: 2}", "context_tokens=300", "budgets=[16]",
+        "methods=[knorm, snapkv]", f"output={tmp_path / 'profile'}",
+    ])
+    out = run_profile(cfg, progress=False)
+    profile = load_profile(out)
+    assert profile["fixed_layers"] == [0, 2]
+    assert all(v == 0.0 for layer in (0, 2) for v in profile["damage"]["kl"]["16"][layer])
+    alloc = Route.from_file(out / "profile_16_alloc.json")
+    assert alloc.budgets[0] == alloc.budgets[2] == 16  # ignored by the engine on local layers
+    assert alloc.budgets[1] + alloc.budgets[3] == 2 * 16  # the total is shared by the global layers
 
 
 def test_bench_runs_a_gemma3_model_folder(tokenizer, tmp_path):

@@ -18,6 +18,7 @@ from learnroute.methods.scorers import H2O
 from learnroute.profile import ProfileConfig, answer_text, build_routes, run_profile, sample_damage
 from learnroute.route import RouteError
 from learnroute.tasks import make_samples
+from tests.test_architectures import tiny as tiny_arch
 
 BAD_LAYERS = {1, 3}
 
@@ -50,12 +51,19 @@ def calib(tokenizer):
     return make_samples("niah_single_1", tokenizer, 2, 300, "calibration", seed=0)
 
 
-def test_cell_equals_compressing_one_layer_in_a_full_forward(tiny, tokenizer, calib):
-    """The restart-at-layer shortcut gives the damage of a real forward with one layer compressed."""
-    engine = Engine(tiny, tokenizer)
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_cell_equals_compressing_one_layer_in_a_full_forward(arch, tiny, tokenizer, calib):
+    """The restart-at-layer shortcut gives the damage of a real forward with one layer compressed.
+
+    Gemma3: its local layers (0 and 2, window shorter than the context) are never compressed
+    (zero damage), and the layers above a compressed one attend within their windows.
+    """
+    model = tiny if arch == "llama" else tiny_arch(arch, tokenizer)
+    engine = Engine(model, tokenizer)
     sample = calib[0]
     methods = ["snapkv", "knorm", "streaming_llm"]
     damage = sample_damage(engine, sample, [24], methods)
+    assert damage["fixed_layers"] == ([0, 2] if arch == "gemma3" else [])
     prompt = engine.encode(sample.context, sample.question, sample.answer_prefix)
     prefill = engine.prefill(prompt)
     answer = tokenizer.encode(answer_text(sample), return_tensors="pt", add_special_tokens=False)
@@ -64,9 +72,9 @@ def test_cell_equals_compressing_one_layer_in_a_full_forward(tiny, tokenizer, ca
     pos = torch.arange(n, n + q + a).unsqueeze(0)
 
     def logp(route):
-        cache = _hf.build_cache(tiny, engine.compress(prefill, [route]))
-        with _hf.routed_attention(tiny), torch.no_grad():
-            logits = tiny(input_ids=ids, past_key_values=cache, position_ids=pos).logits
+        cache = _hf.build_cache(model, engine.compress(prefill, [route]))
+        with _hf.routed_attention(model), torch.no_grad():
+            logits = model(input_ids=ids, past_key_values=cache, position_ids=pos).logits
         return torch.log_softmax(logits[0, q - 1 : q + a - 1].float(), -1)
 
     L = engine.n_layers
@@ -82,6 +90,10 @@ def test_cell_equals_compressing_one_layer_in_a_full_forward(tiny, tokenizer, ca
             assert damage["kl"]["24"][layer][j] == pytest.approx(kl, rel=1e-3, abs=1e-6)
             nll = (-got.gather(-1, answer[0][:, None]).mean() + ref.gather(-1, answer[0][:, None]).mean()).item()
             assert damage["nll"]["24"][layer][j] == pytest.approx(nll, rel=1e-3, abs=1e-5)
+            if layer in damage["fixed_layers"]:
+                assert damage["kl"]["24"][layer][j] == 0.0
+            else:
+                assert damage["kl"]["24"][layer][j] > 0.0  # a compressed layer changes something
 
 
 def _profile_config(tmp_path, tiny_dir, **over):
