@@ -21,8 +21,8 @@ import os
 import socket
 import sys
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
-
 
 from learnroute.config import to_dict
 from learnroute.methods.registry import METHODS
@@ -228,7 +228,9 @@ def run_bench(config: BenchConfig, overwrite: bool = False) -> Path:
     from learnroute.report import summarize
     from learnroute.tasks.metrics import score_sample
 
-    state = PartialState(cpu=not torch.cuda.is_available())
+    # Ranks meet at a barrier after their shards; unbalanced shards of a long run can keep
+    # one rank waiting far longer than torch's default 30-minute process-group timeout.
+    state = PartialState(cpu=not torch.cuda.is_available(), timeout=timedelta(hours=24))
     rank, world = state.process_index, state.num_processes
     out = prepare_folder(config, overwrite, state.is_main_process)
     state.wait_for_everyone()
