@@ -283,8 +283,8 @@ class Engine:
         """A cache for same-shape ``routes`` with room for ``extra`` tokens per layer.
 
         Buffers are carved from ``workspace`` (a flat tensor reused by every batch of one
-        :meth:`answer` call: fresh multi-MB allocations page-fault, which on CPU costs
-        about as much as filling them).
+        :meth:`answer` call: fresh multi-MB allocations page-fault, which on a CPU VM can
+        cost more than filling them).
         """
         offset, buffers = 0, []
         for layer, kept in enumerate(shape):
