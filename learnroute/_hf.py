@@ -263,7 +263,7 @@ class _PreallocatedLayer(DynamicLayer):
         self.dtype, self.device = key_buffer.dtype, key_buffer.device
         self._k, self._v = key_buffer, value_buffer  # (B, H_kv, capacity, d) each
         self._len = length
-        self.keys, self.values = self._k[:, :, :length], self._v[:, :, :length]  # (B, H_kv, n, d) views
+        self._views()  # keys/values: (B, H_kv, length, d) views of the buffers
         self.is_initialized = True
 
     def update(self, key_states, value_states, cache_kwargs=None):
@@ -275,8 +275,25 @@ class _PreallocatedLayer(DynamicLayer):
             self._k[:, :, self._len : self._len + t].copy_(key_states)
             self._v[:, :, self._len : self._len + t].copy_(value_states)
         self._len += t
-        self.keys, self.values = self._k[:, :, : self._len], self._v[:, :, : self._len]
+        self._views()
         return self.keys, self.values
+
+    def _views(self) -> None:
+        self.keys, self.values = self._k[:, :, : self._len], self._v[:, :, : self._len]
+
+    def crop(self, max_length: int) -> None:
+        if max_length < 0:
+            max_length = self._len + max_length
+        self._len = min(self._len, max(max_length, 0))
+        self._views()
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._k, self._v = self._k.repeat_interleave(repeats, 0), self._v.repeat_interleave(repeats, 0)
+        self._views()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._k, self._v = self._k.index_select(0, beam_idx), self._v.index_select(0, beam_idx)
+        self._views()
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep batch rows ``indices`` (ascending), moved to the front of the same buffers.
@@ -287,14 +304,14 @@ class _PreallocatedLayer(DynamicLayer):
         rows = indices.tolist()
         if any(b <= a for a, b in itertools.pairwise(rows)):  # not ascending: plain copy
             self._k, self._v = self._k[indices], self._v[indices]
-            self.keys, self.values = self._k[:, :, : self._len], self._v[:, :, : self._len]
+            self._views()
             return
         for j, src in enumerate(rows):
             if src != j:
                 self._k[j, :, : self._len].copy_(self._k[src, :, : self._len])
                 self._v[j, :, : self._len].copy_(self._v[src, :, : self._len])
         self._k, self._v = self._k[: len(indices)], self._v[: len(indices)]
-        self.keys, self.values = self._k[:, :, : self._len], self._v[:, :, : self._len]
+        self._views()
 
 
 def local_attention_layers(model: PreTrainedModel) -> list[bool]:

@@ -243,3 +243,18 @@ def test_stop_tokens_end_an_answer_and_min_new_tokens_delays_them(tiny, tokenize
     (delayed,) = engine.answer(pre, routes, stop_token_ids=(first,), min_new_tokens=1)
     assert delayed.token_ids[0] != first  # not allowed as the first token
     assert first not in delayed.token_ids[:-1]  # and still a stop token after it
+
+
+def test_preallocated_cache_crops_back_for_another_question(tiny):
+    """crop(-t) forgets the last t tokens of every layer (kvpress's multi-question pattern)."""
+    torch.manual_seed(0)
+    kv = [(torch.randn(2, 2, n, 16), torch.randn(2, 2, n, 16)) for n in (5, 9, 7, 3)]
+    ids = torch.randint(0, 100, (2, 4))
+    pos = torch.arange(20, 24).expand(2, 4)
+    cache = build_cache(tiny, kv, extra=8)
+    with torch.no_grad(), lr.routed_attention(tiny):
+        first = tiny(input_ids=ids, past_key_values=cache, position_ids=pos).logits
+        cache.crop(-4)
+        assert [layer.get_seq_length() for layer in cache.layers] == [5, 9, 7, 3]
+        again = tiny(input_ids=ids, past_key_values=cache, position_ids=pos).logits
+    assert torch.equal(first, again)
