@@ -71,7 +71,7 @@ def baseline_press(route, n_tokens: int):
     return RoutedPress(route), False
 
 
-def side(which: str, n_routes: int, budget: int, tokens: int, max_new: int, sample_baseline: int, q):
+def side(which: str, n_routes: int, budget: int, tokens: int, max_new: int, sample_baseline: int, device: str, q):
     import torch
 
     import learnroute as lr
@@ -79,13 +79,24 @@ def side(which: str, n_routes: int, budget: int, tokens: int, max_new: int, samp
 
     torch.set_num_threads(2)
     model, tok = lr.load_model()
+    model.to(device)
+    cuda = device.startswith("cuda")
+
+    def sync() -> None:  # CUDA runs asynchronously: wait before reading the clock
+        if cuda:
+            torch.cuda.synchronize()
+
     sample = needle_sample(tok, tokens, depth=0.5, seed=0)
     routes = make_routes(n_routes, budget, 30, seed=0)
-    # Warm-up forward (thread pools, allocator) so neither side pays a cold start.
+    # Warm-up forward (thread pools, allocator, kernels) so neither side pays a cold start.
     with torch.no_grad():
-        model(torch.tensor([tok.encode(sample.context)[:256]]))
+        model(torch.tensor([tok.encode(sample.context)[:256]], device=device))
+    sync()
     base_rss = rss_mib()
     reset_peak()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+        base_gpu = torch.cuda.memory_allocated()
     out = {"which": which}
     if which == "engine":
         engine = lr.Engine(model, tok, max_new_tokens=max_new)
@@ -93,6 +104,7 @@ def side(which: str, n_routes: int, budget: int, tokens: int, max_new: int, samp
         prompt = engine.encode(sample.context, sample.question, sample.answer_prefix)
         engine.check_routes(routes, prompt.context_ids.shape[1])
         pre = engine.prefill(prompt)
+        sync()
         t1 = time.perf_counter()
         # Score every (layer, method) the routes use up front (answer() would do it lazily)
         # so the report can split the time into prefill, scoring and decoding.
@@ -100,6 +112,7 @@ def side(which: str, n_routes: int, budget: int, tokens: int, max_new: int, samp
         for route, kept in zip(routes, counts):
             for layer, (entry, k) in enumerate(zip(route.layers, kept)):
                 engine.kept_indices(pre, layer, entry.method, k)
+        sync()
         t2 = time.perf_counter()
         results = engine.answer(pre, routes)
         t3 = time.perf_counter()
@@ -108,7 +121,7 @@ def side(which: str, n_routes: int, budget: int, tokens: int, max_new: int, samp
     else:
         from transformers import pipeline
 
-        pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tok, device="cpu")
+        pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tok, device=device)
         n_tokens = lr.Engine(model, tok).encode(sample.context, sample.question).context_ids.shape[1]
         idx = list(range(len(routes)))
         if sample_baseline and sample_baseline < len(routes):
@@ -126,6 +139,8 @@ def side(which: str, n_routes: int, budget: int, tokens: int, max_new: int, samp
         out.update(seconds=per_route * len(routes), measured=len(idx), per_route=per_route,
                    answers=answers, own=own)
     out["peak_mib"] = peak_mib() - base_rss
+    if cuda:
+        out["peak_gpu_mib"] = (torch.cuda.max_memory_allocated() - base_gpu) / 2**20
     q.put(out)
 
 
@@ -147,11 +162,12 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=12)
     parser.add_argument("--sample-baseline", type=int, default=0,
                         help="time kvpress on this many routes only and extrapolate (0: all)")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU machine (untested here)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="run both sides this many times, alternating, and report the median ratio")
     parser.add_argument("--json", default=None, help="also write the figures here")
     args = parser.parse_args()
-    common = (args.routes, args.budget, args.tokens, args.max_new_tokens, args.sample_baseline)
+    common = (args.routes, args.budget, args.tokens, args.max_new_tokens, args.sample_baseline, args.device)
     # Alternating engine/kvpress pairs: each ratio compares two runs made back to back, so
     # slow drifts of the machine hit both sides of a pair alike.
     pairs = [(run_side("engine", *common), run_side("kvpress", *common)) for _ in range(max(1, args.repeats))]
@@ -169,9 +185,13 @@ def main() -> None:
         "speedups_all_repeats": [round(r, 1) for r in ratios],
         "engine_s_all_repeats": [round(e["seconds"], 2) for e, _ in pairs],
         "kvpress_per_route_s_all_repeats": [round(b["per_route"], 2) for _, b in pairs],
+        "device": args.device,
         "engine_peak_mib": round(eng["peak_mib"]), "kvpress_peak_mib": round(base["peak_mib"]),
         "kvpress_backed_routes_identical": f"{sum(same)}/{len(same)}",
     }
+    if "peak_gpu_mib" in eng:
+        report["engine_peak_gpu_mib"] = round(eng["peak_gpu_mib"])
+        report["kvpress_peak_gpu_mib"] = round(base["peak_gpu_mib"])
     print(json.dumps(report, indent=2))
     if args.json:
         with open(args.json, "w") as f:

@@ -134,7 +134,9 @@ def capture_prefill(model: PreTrainedModel, input_ids: torch.Tensor) -> list[Lay
     b, n = input_ids.shape
     # One preallocated buffer for every layer's attention input: retaining 30 separately
     # allocated activations fragments the heap and measurably slows the prefill on CPU.
-    hidden_buf = torch.empty(len(modules), b, n, text_config(model).hidden_size, dtype=model.dtype)  # (L, B, n, D)
+    hidden_buf = torch.empty(
+        len(modules), b, n, text_config(model).hidden_size, dtype=model.dtype, device=input_ids.device
+    )  # (L, B, n, D)
     positions: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def hook(module, args, kwargs):
@@ -208,7 +210,9 @@ def forward_from_layer(
         for i, layer in enumerate(layers, start):
             mask = None if masks is None else masks(i)
             if mask is not None and eager:  # eager attention adds its mask: make it additive
-                mask = torch.zeros(mask.shape, dtype=hidden.dtype).masked_fill(~mask, torch.finfo(hidden.dtype).min)
+                mask = torch.zeros(mask.shape, dtype=hidden.dtype, device=mask.device).masked_fill(
+                    ~mask, torch.finfo(hidden.dtype).min
+                )
             out = layer(
                 hidden,
                 attention_mask=mask,

@@ -187,7 +187,7 @@ class Engine:
     def prefill(self, prompt: Prompt) -> Prefill:
         """One full-cache forward over the context, capturing every layer."""
         start = time.perf_counter()
-        layers = _hf.capture_prefill(self.model, prompt.context_ids)
+        layers = _hf.capture_prefill(self.model, prompt.context_ids.to(self.model.device))
         return Prefill(prompt, layers, time.perf_counter() - start)
 
     @torch.no_grad()
@@ -209,7 +209,7 @@ class Engine:
         if key not in prefill._indices:
             if n_kept >= n:
                 ref = prefill.layers[layer].keys
-                idx = torch.arange(n).expand(ref.shape[0], ref.shape[1], n)  # (1, H_kv, n)
+                idx = torch.arange(n, device=ref.device).expand(ref.shape[0], ref.shape[1], n)  # (1, H_kv, n)
             else:
                 idx = keep_indices(self.scores(prefill, layer, method, n_kept), n_kept)
             prefill._indices[key] = idx
@@ -314,10 +314,11 @@ class Engine:
         ``min_new_tokens`` tokens exist, stop tokens cannot be chosen (transformers'
         ``min_new_tokens``).
         """
+        device = self.model.device
         q = question_ids.shape[1]
-        ids = question_ids.expand(n_rows, q)  # (R, q)
-        pos = torch.arange(n_ctx, n_ctx + q).unsqueeze(0).expand(n_rows, q)  # (R, q)
-        eos = torch.tensor([*_hf.eos_token_ids(self.model), *stop_token_ids], dtype=torch.long)
+        ids = question_ids.to(device).expand(n_rows, q)  # (R, q)
+        pos = torch.arange(n_ctx, n_ctx + q, device=device).unsqueeze(0).expand(n_rows, q)  # (R, q)
+        eos = torch.tensor([*_hf.eos_token_ids(self.model), *stop_token_ids], dtype=torch.long, device=device)
 
         def greedy(logits: torch.Tensor, produced: int) -> torch.Tensor:  # (R, vocab) -> (R,)
             if produced < min_new_tokens and len(eos):
@@ -325,8 +326,8 @@ class Engine:
             return logits.argmax(-1)
 
         rows: list[list[int]] = [[] for _ in range(n_rows)]
-        alive = torch.arange(n_rows)  # original row of each batch row
-        done = torch.zeros(n_rows, dtype=torch.bool)  # batch rows that have produced EOS
+        alive = torch.arange(n_rows, device=device)  # original row of each batch row
+        done = torch.zeros(n_rows, dtype=torch.bool, device=device)  # batch rows that have produced EOS
         with _hf.routed_attention(self.model):
             out = self.model(input_ids=ids, past_key_values=cache, position_ids=pos, logits_to_keep=1)
             first_logits = out.logits[:, -1].float()  # (R, vocab)
@@ -345,7 +346,7 @@ class Engine:
                     keep = ~done
                     _hf.keep_rows(cache, keep.nonzero().squeeze(1))
                     alive, nxt, done = alive[keep], nxt[keep], done[keep]
-                step_pos = torch.full((len(alive), 1), next_pos, dtype=torch.long)  # (R_alive, 1)
+                step_pos = torch.full((len(alive), 1), next_pos, dtype=torch.long, device=device)  # (R_alive, 1)
                 out = self.model(input_ids=nxt.unsqueeze(1), past_key_values=cache, position_ids=step_pos)
                 nxt = greedy(out.logits[:, -1], step + 1)
                 next_pos += 1
