@@ -244,9 +244,23 @@ class Engine:
         ``counts`` (per route, per layer) skips recomputing :meth:`kept_counts`.
         """
         counts = counts or [self.kept_counts(r, prefill.n_tokens, prefill.layer_tokens) for r in routes]
-        kv = []
+        return self._kept_kv(prefill, routes, counts)
+
+    def _kept_kv(
+        self,
+        prefill: Prefill,
+        routes: list[Route],
+        counts: list[list[int]],
+        extra: int = 0,
+        workspace: torch.Tensor | None = None,
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (R, H_kv, k_l + extra, d) keys and values whose first k_l slots hold each
+        route's kept tokens; carved one after another from ``workspace`` if given."""
+        offset, kv = 0, []
         for layer in range(len(prefill.layers)):
-            k, v = self._empty_kv(prefill, layer, len(routes), counts[0][layer])
+            out = None if workspace is None else workspace[offset:]
+            k, v = self._empty_kv(prefill, layer, len(routes), counts[0][layer] + extra, out)
+            offset += k.numel() + v.numel()
             self._gather_into(prefill, routes, counts, layer, k, v)
             kv.append((k, v))
         return kv
@@ -286,12 +300,7 @@ class Engine:
         :meth:`answer` call: fresh multi-MB allocations page-fault, which on a CPU VM can
         cost more than filling them).
         """
-        offset, buffers = 0, []
-        for layer, kept in enumerate(shape):
-            k, v = self._empty_kv(prefill, layer, len(routes), kept + extra, workspace[offset:])
-            offset += k.numel() + v.numel()
-            self._gather_into(prefill, routes, [list(shape)] * len(routes), layer, k, v)
-            buffers.append((k, v))
+        buffers = self._kept_kv(prefill, routes, [list(shape)] * len(routes), extra, workspace)
         return _hf.cache_from_buffers(self.model, buffers, list(shape))
 
     # ------------------------------------------------------------------ decode
