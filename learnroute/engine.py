@@ -215,9 +215,11 @@ class Engine:
             prefill._indices[key] = idx
         return prefill._indices[key]
 
-    def is_fixed(self, layer: int) -> bool:
-        """Is ``layer`` a local sliding-window layer, which no route compresses (Gemma3)?"""
-        return self._local[layer]
+    def is_fixed(self, layer: int, held: int, n_tokens: int) -> bool:
+        """Does no route compress ``layer``? So for local sliding-window layers (Gemma3's)
+        and for a layer whose cache holds ``held`` < ``n_tokens`` context tokens (a window
+        shorter than the context)."""
+        return self._local[layer] or held < n_tokens
 
     def kept_counts(self, route: Route, n_tokens: int, layer_tokens: list[int] | None = None) -> list[int]:
         """Tokens kept per KV head in each layer for a context of ``n_tokens``.
@@ -230,7 +232,7 @@ class Engine:
         counts = []
         for layer, e in enumerate(route.layers):
             held = n_tokens if layer_tokens is None else layer_tokens[layer]
-            if self.is_fixed(layer) or held < n_tokens:
+            if self.is_fixed(layer, held, n_tokens):
                 counts.append(held)
             else:
                 counts.append(n_tokens if self.method(e.method).keeps_all else resolve_budget(e.budget, n_tokens))

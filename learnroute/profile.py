@@ -138,7 +138,7 @@ def sample_damage(engine, sample: Sample, budgets: list[Budget], methods: list[s
     L, M = engine.n_layers, len(methods)
     # Layers the engine never compresses (Gemma3's local layers, windows shorter than the
     # context): no cells, zero damage.
-    fixed = [layer for layer in range(L) if engine.is_fixed(layer) or prefill.layer_tokens[layer] < n]
+    fixed = [layer for layer in range(L) if engine.is_fixed(layer, prefill.layer_tokens[layer], n)]
     t_scores = time.perf_counter()
     kept = {
         (layer, m, budget): engine.kept_indices(prefill, layer, m, resolve_budget(budget, n))  # (1, H_kv, k)
