@@ -340,8 +340,7 @@ class Engine:
         alive = torch.arange(n_rows, device=device)  # original row of each batch row
         done = torch.zeros(n_rows, dtype=torch.bool, device=device)  # batch rows that have produced EOS
         with _hf.routed_attention(self.model):
-            out = self.model(input_ids=ids, past_key_values=cache, position_ids=pos, logits_to_keep=1)
-            first_logits = out.logits[:, -1].float()  # (R, vocab)
+            first_logits = _hf.forward_tokens(self.model, cache, ids, pos, keep=1)[:, -1].float()  # (R, vocab)
             nxt = greedy(first_logits, 0)  # (R,)
             next_pos = n_ctx + q
             for step in range(max_new_tokens):

@@ -131,9 +131,9 @@ def sample_damage(engine, sample: Sample, budgets: list[Budget], methods: list[s
     keep = slice(q - 1, q + a - 1)
     target = answer_ids[0]  # (a,)
     full_kv = [(c.keys, c.values) for c in prefill.layers]
-    with _hf.routed_attention(model):  # sliding-window caches need per-layer masks
-        inputs, logits = _hf.layer_inputs(model, _hf.build_cache(model, full_kv), ids, pos)
-    ref_logp = torch.log_softmax(logits[0, keep].float(), -1)  # (a, V)
+    inputs: list[torch.Tensor] = []  # every layer's input over question + answer: (1, t, D) each
+    logits = _hf.forward_tokens(model, full_kv, ids, pos, keep=keep, record_inputs=inputs)  # (1, a, V)
+    ref_logp = torch.log_softmax(logits[0].float(), -1)  # (a, V)
     ref_nll = -ref_logp.gather(-1, target[:, None]).mean()
     L, M = engine.n_layers, len(methods)
     # Layers the engine never compresses (Gemma3's local layers, windows shorter than the

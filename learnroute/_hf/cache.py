@@ -1,0 +1,193 @@
+"""Caches: prefill capture, caches assembled from kept keys/values (preallocated buffers),
+and which layers keep a sliding window."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
+
+from learnroute._hf.model import attention_modules, language_model, text_config
+
+
+@dataclass
+class LayerCapture:
+    """What the scorers need from one layer after a full-cache prefill.
+
+    ``hidden_states`` is the attention input (after the layer norm), ``keys`` carry RoPE,
+    exactly what kvpress hands its presses.
+    """
+
+    module: nn.Module
+    hidden_states: torch.Tensor  # (B, n, D)
+    keys: torch.Tensor  # (B, H_kv, n, d)
+    values: torch.Tensor  # (B, H_kv, n, d)
+    position_embeddings: tuple[torch.Tensor, torch.Tensor]  # cos, sin: (B, n, d) each
+    # Intermediate results scorers share on this layer (e.g. SnapKV scores that
+    # CriticalKV rescales), so one capture never computes them twice.
+    memo: dict = field(default_factory=dict)
+
+
+def _hidden_arg(args: tuple, kwargs: dict) -> torch.Tensor:
+    """The hidden states a forward pre-hook sees (passed by keyword or first positional)."""
+    return kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+
+
+@torch.no_grad()
+def capture_prefill(model: PreTrainedModel, input_ids: torch.Tensor) -> list[LayerCapture]:
+    """Run one full-cache forward over ``input_ids`` (B, n) and capture every layer."""
+    modules = attention_modules(model)
+    b, n = input_ids.shape
+    # One preallocated buffer for every layer's attention input: retaining 30 separately
+    # allocated activations fragments the heap and measurably slows the prefill on CPU.
+    hidden_buf = torch.empty(
+        len(modules), b, n, text_config(model).hidden_size, dtype=model.dtype, device=input_ids.device
+    )  # (L, B, n, D)
+    positions: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def hook(module, args, kwargs):
+        hidden_buf[module.layer_idx].copy_(_hidden_arg(args, kwargs))
+        positions[module.layer_idx] = kwargs["position_embeddings"]
+
+    cache = DynamicCache(config=model.config)
+    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in modules]
+    try:
+        # The decoder stack without the LM head: the prefill's logits are never needed.
+        language_model(model)(input_ids=input_ids, past_key_values=cache, use_cache=True)
+    finally:
+        for h in handles:
+            h.remove()
+    captures = []
+    for i, module in enumerate(modules):
+        layer = cache.layers[i]
+        captures.append(LayerCapture(module, hidden_buf[i], layer.keys, layer.values, positions[i]))
+    return captures
+
+
+class _PreallocatedLayer(DynamicLayer):
+    """A DynamicLayer whose keys/values live in buffers with room for more tokens.
+
+    Why: DynamicLayer appends with ``torch.cat``, copying the whole layer cache at every
+    decoding step; with a batch of routes that copy costs more than the step's attention.
+    New tokens are written in place; ``keys``/``values`` stay views of the filled part,
+    so everything that reads them (sequence length, masks, attention) sees exactly what a
+    DynamicLayer would hold.
+    """
+
+    def __init__(self, key_buffer: torch.Tensor, value_buffer: torch.Tensor, length: int) -> None:
+        super().__init__()
+        self.dtype, self.device = key_buffer.dtype, key_buffer.device
+        self._k, self._v = key_buffer, value_buffer  # (B, H_kv, capacity, d) each
+        self._len = length
+        self._views()  # keys/values: (B, H_kv, length, d) views of the buffers
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, cache_kwargs=None):
+        t = key_states.shape[-2]
+        if self._len + t > self._k.shape[-2]:  # out of room: grow like a DynamicLayer
+            self._k = torch.cat([self.keys, key_states], dim=-2)
+            self._v = torch.cat([self.values, value_states], dim=-2)
+        else:
+            self._k[:, :, self._len : self._len + t].copy_(key_states)
+            self._v[:, :, self._len : self._len + t].copy_(value_states)
+        self._len += t
+        self._views()
+        return self.keys, self.values
+
+    def _views(self) -> None:
+        self.keys, self.values = self._k[:, :, : self._len], self._v[:, :, : self._len]
+
+    def crop(self, max_length: int) -> None:
+        if max_length < 0:
+            max_length = self._len + max_length
+        self._len = min(self._len, max(max_length, 0))
+        self._views()
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._k, self._v = self._k.repeat_interleave(repeats, 0), self._v.repeat_interleave(repeats, 0)
+        self._views()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._k, self._v = self._k.index_select(0, beam_idx), self._v.index_select(0, beam_idx)
+        self._views()
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep batch rows ``indices`` (ascending), moved to the front of the same buffers.
+
+        In place, so dropping finished routes allocates nothing; rows only move forward
+        (indices[j] >= j), so no row is overwritten before it has been moved.
+        """
+        rows = indices.tolist()
+        if any(b <= a for a, b in itertools.pairwise(rows)):  # not ascending: plain copy
+            self._k, self._v = self._k[indices], self._v[indices]
+            self._views()
+            return
+        for j, src in enumerate(rows):
+            if src != j:
+                self._k[j, :, : self._len].copy_(self._k[src, :, : self._len])
+                self._v[j, :, : self._len].copy_(self._v[src, :, : self._len])
+        self._k, self._v = self._k[: len(indices)], self._v[: len(indices)]
+        self._views()
+
+
+def local_attention_layers(model: PreTrainedModel) -> list[bool]:
+    """Per layer: is it a local (sliding-window) attention layer of a model that mixes
+    local and global layers (Gemma3)? kvpress never compresses those; neither do we."""
+    return [bool(getattr(m, "is_sliding", False)) for m in attention_modules(model)]
+
+
+def cache_windows(model: PreTrainedModel) -> list[int | None]:
+    """Per layer: the sliding window of its cache, or None for a full cache (transformers'
+    own layer types: Gemma3's local layers, every layer of a Mistral with
+    ``sliding_window`` set). Such a cache holds the last ``window - 1`` tokens."""
+    layers = DynamicCache(config=model.config).layers
+    return [getattr(layer, "sliding_window", None) if getattr(layer, "is_sliding", False) else None for layer in layers]
+
+
+def windowed_layers(model: PreTrainedModel) -> list[bool]:
+    """Per layer: does its cache keep a sliding window only (see :func:`cache_windows`)."""
+    return [w is not None for w in cache_windows(model)]
+
+
+def build_cache(model: PreTrainedModel, kv: list[tuple[torch.Tensor, torch.Tensor]], extra: int = 0) -> DynamicCache:
+    """A DynamicCache holding the given per-layer keys/values, each (B, H_kv, n_l, d).
+
+    ``extra`` > 0 reserves room for that many more tokens per layer, written in place.
+    """
+    if extra > 0:
+        buffers = []
+        for k, v in kv:
+            kb = k.new_empty(*k.shape[:2], k.shape[2] + extra, k.shape[3])  # (B, H_kv, n_l + extra, d)
+            vb = v.new_empty(*v.shape[:2], v.shape[2] + extra, v.shape[3])
+            kb[:, :, : k.shape[2]].copy_(k)
+            vb[:, :, : v.shape[2]].copy_(v)
+            buffers.append((kb, vb))
+        return cache_from_buffers(model, buffers, [k.shape[2] for k, _ in kv])
+    cache = DynamicCache(config=model.config)
+    for layer_idx, (k, v) in enumerate(kv):
+        cache.update(k, v, layer_idx)
+    return cache
+
+
+def cache_from_buffers(
+    model: PreTrainedModel, buffers: list[tuple[torch.Tensor, torch.Tensor]], lengths: list[int]
+) -> DynamicCache:
+    """A DynamicCache over preallocated per-layer buffers (B, H_kv, capacity, d) whose first
+    ``lengths[l]`` positions are filled; later tokens are written into the free room."""
+    cache = DynamicCache(config=model.config)
+    for layer_idx, ((kb, vb), n) in enumerate(zip(buffers, lengths)):
+        if type(cache.layers[layer_idx]) is not DynamicLayer:
+            # Sliding-window layers keep their own bookkeeping: hand them the tokens instead.
+            cache.update(kb[:, :, :n], vb[:, :, :n], layer_idx)
+        else:
+            cache.layers[layer_idx] = _PreallocatedLayer(kb, vb, n)
+    return cache
+
+
+def keep_rows(cache: DynamicCache, rows: torch.Tensor) -> None:
+    """Keep only batch ``rows`` of every layer's cache (finished routes leave the batch)."""
+    cache.batch_select_indices(rows)
