@@ -137,7 +137,8 @@ def rescale(route: Route, budget: Budget) -> Route:
     else:
         budgets = [max(1, round(budget * s)) for s in shares]
     prov = {**route.provenance, "rescaled_to": budget}
-    return Route.from_layers(route.methods, budgets, model=route.model, **prov)
+    mixtures = [None if e.mixture is None else dict(e.mixture) for e in route.layers]
+    return Route.from_layers(route.methods, budgets, model=route.model, mixtures=mixtures, **prov)
 
 
 def nominal_budget(route: Route) -> Budget:

@@ -18,6 +18,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from learnroute import _hf
 from learnroute.methods.base import Method, keep_indices, resolve_budget
+from learnroute.methods.mixing import mixed_scores
 from learnroute.methods.registry import get_method
 from learnroute.route import Route
 
@@ -152,7 +153,7 @@ class Engine:
             route.check_layers(self.n_layers)
             if n_tokens is None:
                 continue
-            for name in set(route.methods):
+            for name in {m for e in route.layers for m in e.methods}:
                 need = self.method(name).min_context()
                 if n_tokens < need:
                     raise ValueError(f"method {name!r} needs a context of at least {need} tokens, got {n_tokens}")
@@ -200,16 +201,25 @@ class Engine:
                 prefill._scores[key] = m.score(prefill.layers[layer], n_kept).float()
         return prefill._scores[key]
 
-    def kept_indices(self, prefill: Prefill, layer: int, method: str, n_kept: int) -> torch.Tensor:
-        """Positions (1, H_kv, n_kept) kept by ``method`` at ``layer`` (cached per prefill)."""
+    def kept_indices(
+        self, prefill: Prefill, layer: int, method: str, n_kept: int, mixture: tuple[tuple[str, float], ...] | None = None
+    ) -> torch.Tensor:
+        """Positions (1, H_kv, n_kept) kept by ``method`` at ``layer`` (cached per prefill).
+
+        With ``mixture`` ((method, weight), ...), the top-k of the mixed ranks of those
+        methods' scores (:func:`learnroute.methods.mixing.mixed_scores`) instead.
+        """
         n = prefill.layer_tokens[layer]
-        if self.method(method).keeps_all:
+        if mixture is None and self.method(method).keeps_all:
             n_kept = n
-        key = (layer, method, n_kept)
+        key = (layer, method if mixture is None else mixture, n_kept)
         if key not in prefill._indices:
             if n_kept >= n:
                 ref = prefill.layers[layer].keys
                 idx = torch.arange(n, device=ref.device).expand(ref.shape[0], ref.shape[1], n)  # (1, H_kv, n)
+            elif mixture is not None:
+                scores = {m: self.scores(prefill, layer, m, n_kept) for m, _ in mixture}  # (1, H_kv, n) each
+                idx = keep_indices(mixed_scores(scores, mixture), n_kept)
             else:
                 idx = keep_indices(self.scores(prefill, layer, method, n_kept), n_kept)
             prefill._indices[key] = idx
@@ -285,7 +295,7 @@ class Engine:
         cap = prefill.layers[layer]
         _, h, n, d = cap.keys.shape
         idx = torch.cat([
-            self.kept_indices(prefill, layer, route.layers[layer].method, kept[layer])  # (1, H_kv, k_l)
+            self.kept_indices(prefill, layer, route.layers[layer].method, kept[layer], route.layers[layer].mixture)
             for route, kept in zip(routes, counts)
         ])  # (R, H_kv, k_l)
         r, kept = len(routes), idx.shape[-1]

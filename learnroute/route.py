@@ -43,10 +43,41 @@ def budget_problem(budget: Any) -> str | None:
 
 @dataclass(frozen=True)
 class LayerRoute:
-    """One layer's entry: a registered method name and a budget."""
+    """One layer's entry: a registered method name and a budget.
+
+    ``mixture`` (optional) makes it a mixture layer: ((method, weight), ...) over
+    registered methods; the layer keeps the top-k of ``Σ_m w_m · rank(scores_m)``
+    (:func:`learnroute.methods.mixing.mixed_scores`), and ``method`` names the heaviest
+    component (what hardening would pick).
+    """
 
     method: str
     budget: Budget
+    mixture: tuple[tuple[str, float], ...] | None = None
+
+    @property
+    def methods(self) -> list[str]:
+        """Every method this layer needs scores of."""
+        return [m for m, _ in self.mixture] if self.mixture else [self.method]
+
+
+def mixture_problems(mixture: Any, method: str | None = None) -> list[str]:
+    """What is wrong with a layer's mixture weights (a mapping method -> weight)."""
+    if not isinstance(mixture, dict) or not mixture:
+        return [f"mixture must be a non-empty object of method -> weight, got {mixture!r}"]
+    problems = []
+    for m, w in mixture.items():
+        if m not in METHODS or m == "full":
+            valid = ", ".join(x for x in METHODS if x != "full")
+            problems.append(f"mixture: unknown method {m!r}; registered: {valid}")
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not w >= 0 or w == float("inf"):
+            problems.append(f"mixture: weight of {m!r} must be a finite number >= 0, got {w!r}")
+    weights = [w for w in mixture.values() if isinstance(w, (int, float)) and not isinstance(w, bool)]
+    if not problems and sum(weights) <= 0:
+        problems.append("mixture: weights sum to 0")
+    if method is not None and method not in mixture:
+        problems.append(f"mixture does not contain the layer's method {method!r}")
+    return problems
 
 
 @dataclass
@@ -66,6 +97,8 @@ class Route:
                 problems.append(f"layer {i}: unknown method {entry.method!r}; registered: {', '.join(METHODS)}")
             if (p := budget_problem(entry.budget)) is not None:
                 problems.append(f"layer {i}: {p}")
+            if entry.mixture is not None:
+                problems += [f"layer {i}: {p}" for p in mixture_problems(dict(entry.mixture), entry.method)]
         if problems:
             raise RouteError("invalid route:\n  " + "\n  ".join(problems))
 
@@ -93,14 +126,27 @@ class Route:
 
     @classmethod
     def from_layers(
-        cls, methods: list[str], budgets: list[Budget] | Budget, model: str | None = None, **provenance: Any
+        cls,
+        methods: list[str],
+        budgets: list[Budget] | Budget,
+        model: str | None = None,
+        mixtures: list[dict[str, float] | None] | None = None,
+        **provenance: Any,
     ) -> Route:
-        """A mixed route from per-layer methods and budgets (one budget for all, or a list)."""
+        """A mixed route from per-layer methods and budgets (one budget for all, or a list);
+        ``mixtures`` optionally gives per-layer mixture weights (method -> weight)."""
         if not isinstance(budgets, list):
             budgets = [budgets] * len(methods)
         if len(budgets) != len(methods):
             raise RouteError(f"{len(methods)} methods but {len(budgets)} budgets")
-        return cls([LayerRoute(m, b) for m, b in zip(methods, budgets)], model=model, provenance=provenance)
+        mixtures = mixtures or [None] * len(methods)
+        if len(mixtures) != len(methods):
+            raise RouteError(f"{len(methods)} methods but {len(mixtures)} mixtures")
+        layers = [
+            LayerRoute(m, b, None if mix is None else tuple((k, float(w)) for k, w in mix.items()))
+            for m, b, mix in zip(methods, budgets, mixtures)
+        ]
+        return cls(layers, model=model, provenance=provenance)
 
     # ------------------------------------------------------------------ properties
 
@@ -116,6 +162,16 @@ class Route:
     def budgets(self) -> list[Budget]:
         return [entry.budget for entry in self.layers]
 
+    @property
+    def is_mixture(self) -> bool:
+        """Does any layer mix several methods' scores?"""
+        return any(e.mixture is not None for e in self.layers)
+
+    def hardened(self) -> Route:
+        """The same route with every mixture layer replaced by its heaviest method."""
+        prov = {**self.provenance, "hardened_from_mixture": self.is_mixture}
+        return Route([LayerRoute(e.method, e.budget) for e in self.layers], model=self.model, provenance=prov)
+
     def method_counts(self) -> dict[str, int]:
         return dict(Counter(self.methods))
 
@@ -130,6 +186,8 @@ class Route:
         counts = self.method_counts()
         budgets = set(map(str, self.budgets))
         b = budgets.pop() if len(budgets) == 1 else "var"
+        if self.is_mixture:
+            return f"mixture[{len(counts)} argmax methods]@{b}"
         if len(counts) == 1:
             return f"{self.methods[0]}@{b}"
         inner = ",".join(f"{m}:{c}" for m, c in sorted(counts.items()))
@@ -142,7 +200,11 @@ class Route:
             "schema": SCHEMA,
             "model": self.model,
             "n_layers": self.n_layers,
-            "layers": [{"layer": i, "method": e.method, "budget": e.budget} for i, e in enumerate(self.layers)],
+            "layers": [
+                {"layer": i, "method": e.method, "budget": e.budget}
+                | ({"mixture": dict(e.mixture)} if e.mixture is not None else {})
+                for i, e in enumerate(self.layers)
+            ],
             "provenance": self.provenance,
         }
 
@@ -183,7 +245,15 @@ class Route:
                 problems.append(f"layer {idx}: unknown method {method!r}; registered: {', '.join(METHODS)}")
             if (p := budget_problem(budget)) is not None:
                 problems.append(f"layer {idx}: {p}")
-            entries[idx] = LayerRoute(method, budget)
+            mixture = item.get("mixture")
+            if mixture is not None:
+                bad = mixture_problems(mixture, method)
+                problems += [f"layer {idx}: {p}" for p in bad]
+                mixture = None if bad else tuple((str(m), float(w)) for m, w in mixture.items())
+            extra = set(item) - {"layer", "method", "budget", "mixture"}
+            if extra:
+                problems.append(f"layer {idx}: unknown keys {sorted(extra)}")
+            entries[idx] = LayerRoute(method, budget, mixture)
         missing = [i for i in range(n_layers) if i not in entries]
         if missing and not problems:
             problems.append(f"missing layers {missing} (n_layers = {n_layers})")
