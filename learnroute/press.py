@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Generator
 from dataclasses import dataclass, field
 
@@ -12,24 +13,32 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from learnroute import _hf
+from learnroute._hf.attention import _OWN_MASKS_ATTR
 from learnroute.methods.base import Method, keep_indices, resolve_budget
 from learnroute.methods.registry import get_method
 from learnroute.route import Route
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
 class RoutedPress(BasePress):
     """A kvpress press applying ``route``: layer l scores with its method, keeps its budget.
 
-    Works in kvpress's pipeline on CPU with sdpa or eager. kvpress decodes *after* the
-    press context has closed, so when layers keep different counts the model must run
-    route-aware attention during the pipeline call::
+    Works in kvpress's pipeline on CPU with sdpa or eager, in one line::
+
+        pipe(context, question=q, press=RoutedPress(route))
+
+    kvpress decodes *after* the press context has closed, so when layers keep different
+    counts (per-layer budgets, ``full`` next to compressed layers, or a model with local
+    sliding-window layers such as Gemma3) the model must still run route-aware attention
+    then. RoutedPress therefore switches such a model to it (``learnroute_sdpa`` /
+    ``learnroute_eager``) and leaves it switched, logging once at INFO. That attention is
+    bit-identical to the stock one whenever every layer's cache has the same length.
+    To have the model's own attention back after the call, use the scope instead::
 
         with learnroute.routed_attention(model):
             pipe(context, question=q, press=RoutedPress(route))
-
-    (Uniform budgets need no wrapper.) Entering the press without it raises a clear error
-    before any forward.
     """
 
     route: Route
@@ -39,6 +48,13 @@ class RoutedPress(BasePress):
         self._methods: dict[str, Method] = {
             name: get_method(name, **self.method_options.get(name, {})) for name in set(self.route.methods)
         }
+
+    def needs_routed_attention(self) -> bool:
+        """Can layers end with different cache lengths? (Call inside the press context,
+        which knows the model's local layers.)"""
+        # A keep-everything method keeps the whole context whatever its budget says.
+        kept = {None if self._methods[e.method].keeps_all else e.budget for e in self.route.layers}
+        return len(kept) > 1 or any(self._local)
 
     def compress(
         self,
@@ -68,14 +84,37 @@ class RoutedPress(BasePress):
     def __call__(self, model: PreTrainedModel) -> Generator:
         self.route.check_layers(len(_hf.attention_modules(model)))
         self._local = _hf.local_attention_layers(model)
-        if (len(set(self.route.budgets)) > 1 or any(self._local)) and not _hf.is_routed(model):
-            raise RuntimeError(
-                "this route keeps different token counts per layer (or the model has local sliding-window "
-                "layers, which keep their cache); kvpress decodes after the press "
-                "context closes, so wrap the pipeline call in `with learnroute.routed_attention(model):` "
-                "(or load the model with attn_implementation='learnroute_sdpa')"
-            )
+        if self.needs_routed_attention() and not _hf.is_routed(model):
+            switch_to_routed_attention(model)
         # kvpress's context sets each module's rotary_emb itself; ours goes second so that
         # layer-typed rotaries (Gemma3) get the module's own layer type.
         with super().__call__(model), _hf.rotary_on_attention(model):
             yield
+
+
+def switch_to_routed_attention(model: PreTrainedModel) -> None:
+    """Switch ``model`` to route-aware attention for good (what ``routed_attention``
+    does on entry, without the restore on exit).
+
+    kvpress's pipeline decodes after the press context closes, so a scope opened by the
+    press would end too early. Raises ValueError for attention other than sdpa / eager.
+    """
+    original = _hf.attn_implementation(model)
+    if original not in ("sdpa", "eager"):
+        raise ValueError(
+            f"RoutedPress with per-layer cache lengths needs attn_implementation 'sdpa' or 'eager', got {original!r}"
+        )
+    _hf._set_attn(model, _hf.ROUTED_PREFIX + original)
+    if any(_hf.windowed_layers(model)):
+        # Stock masks take their offsets from layer 0 (a local layer on Gemma3), wrong for
+        # compressed global layers: every layer rebuilds its mask from its own cache.
+        for m in _hf.attention_modules(model):
+            setattr(m, _OWN_MASKS_ATTR, True)
+    logger.info(
+        "RoutedPress: layers keep different cache lengths, so the model now runs attn_implementation %r "
+        "(identical to %r when all layers keep the same length); wrap the call in "
+        "`with learnroute.routed_attention(model):` to have %r restored afterwards",
+        _hf.ROUTED_PREFIX + original,
+        original,
+        original,
+    )

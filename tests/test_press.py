@@ -1,10 +1,13 @@
+import logging
+
 import pytest
 from kvpress import KnormPress, SnapKVPress, TOVAPress
 from transformers import pipeline
 
 import learnroute as lr
-from learnroute import Engine, Route, RoutedPress
+from learnroute import Engine, Route, RoutedPress, _hf
 from learnroute.methods import KVPRESS_METHODS, kvpress_press, resolve_budget
+from tests.conftest import make_tiny
 
 
 @pytest.fixture(scope="module")
@@ -28,15 +31,51 @@ def test_homogeneous_routed_press_equals_the_kvpress_press(pipe, sample, method,
     assert ours == theirs
 
 
-def test_mixed_budgets_need_route_aware_attention(pipe, tiny, sample):
-    press = RoutedPress(Route.from_layers(["snapkv", "tova", "knorm", "h2o"], [8, 40, 0.25, 100]))
-    with pytest.raises(RuntimeError, match="routed_attention"):
-        ask(pipe, sample, press)
-    assert tiny.config._attn_implementation == "sdpa"
+MIXED_ROUTES = {
+    "per-layer budgets": Route.from_layers(["snapkv", "tova", "knorm", "h2o"], [8, 40, 0.25, 100]),
+    # one budget, but `full` keeps the whole context while the others compress
+    "full next to compressed": Route.from_layers(["full", "snapkv", "full", "tova"], 0.3),
+}
 
 
-def test_mixed_route_in_kvpress_pipeline_equals_the_engine(pipe, tiny, tokenizer, sample):
-    route = Route.from_layers(["snapkv", "tova", "knorm", "h2o"], [8, 40, 0.25, 100])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("name", list(MIXED_ROUTES))
+def test_mixed_route_in_kvpress_pipeline_needs_no_wrapper(tokenizer, sample, caplog, attn, name):
+    route = MIXED_ROUTES[name]
+    model = make_tiny(tokenizer, attn=attn)  # its own model: RoutedPress switches it for good
+    (res,) = Engine(model, tokenizer, max_new_tokens=6).run(
+        sample.context, sample.question, [route], answer_prefix=sample.answer_prefix
+    )
+    assert model.config._attn_implementation == attn  # the engine restores what it switches
+    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device="cpu")
+    with caplog.at_level(logging.INFO, logger="learnroute.press"):
+        first = ask(pipe, sample, RoutedPress(route))
+        second = ask(pipe, sample, RoutedPress(route))
+    assert first == second == res.answer
+    assert model.config._attn_implementation == f"learnroute_{attn}"
+    switched = [r for r in caplog.records if r.name == "learnroute.press"]
+    assert len(switched) == 1 and f"learnroute_{attn}" in switched[0].getMessage()  # said once
+
+
+def test_uniform_route_leaves_the_model_alone(tokenizer, sample, caplog):
+    model = make_tiny(tokenizer)
+    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device="cpu")
+    with caplog.at_level(logging.INFO, logger="learnroute.press"):
+        ask(pipe, sample, RoutedPress(Route.from_layers(["snapkv", "tova", "knorm", "h2o"], 0.3)))
+    assert model.config._attn_implementation == "sdpa"
+    assert not [r for r in caplog.records if r.name == "learnroute.press"]
+
+
+def test_routed_press_refuses_attention_it_cannot_route(tokenizer, sample):
+    model = make_tiny(tokenizer)
+    _hf._set_attn(model, "flash_attention_2")  # never run: refused before any forward
+    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device="cpu")
+    with pytest.raises(ValueError, match="'sdpa' or 'eager', got 'flash_attention_2'"):
+        ask(pipe, sample, RoutedPress(MIXED_ROUTES["per-layer budgets"]))
+
+
+def test_mixed_route_with_the_scope_equals_the_engine_and_restores(pipe, tiny, tokenizer, sample):
+    route = MIXED_ROUTES["per-layer budgets"]
     with lr.routed_attention(tiny):
         ours = ask(pipe, sample, RoutedPress(route))
     engine = Engine(tiny, tokenizer, max_new_tokens=6)
