@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 from learnroute import _hf
 from learnroute.engine import Engine
-from learnroute.route import Route
+from learnroute.methods.base import Budget
+from learnroute.route import Route, budget_problem
 
 # RULER's noise haystack sentence block and needle template (background.md §5).
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
@@ -38,6 +39,27 @@ def needle_sample(tokenizer, n_tokens: int, depth: float, seed: int) -> NeedleSa
     return NeedleSample(context, question, prefix, value)
 
 
+def parse_budget(text: str) -> Budget:
+    """A command-line budget: an integer is tokens per KV head, a decimal a fraction of
+    the context (``128`` keeps 128 tokens, ``0.25`` a quarter), as in route files."""
+    import argparse
+
+    try:
+        budget: Budget = int(text)
+    except ValueError:
+        try:
+            budget = float(text)
+        except ValueError:
+            budget = text  # type: ignore[assignment]  # budget_problem names what is wrong
+    if (problem := budget_problem(budget)) is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return budget
+
+
+def describe_budget(budget: Budget) -> str:
+    return f"{budget} of the context" if isinstance(budget, float) else f"{budget} tokens per KV head"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Demo: full cache vs three routes on one needle sample with the default model."""
     import argparse
@@ -47,7 +69,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="learnroute demo", description=main.__doc__)
     parser.add_argument("--model", default=None, help="HF folder or hub id (default: bundled SmolLM2-135M)")
     parser.add_argument("--tokens", type=int, default=2000, help="context length in tokens")
-    parser.add_argument("--budget", type=float, default=0.25, help="fraction of the context kept per layer")
+    parser.add_argument(
+        "--budget",
+        type=parse_budget,
+        default=0.25,
+        help="kept per layer: an integer is tokens per KV head (128), a decimal a fraction of the context (0.25)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
@@ -66,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     engine = Engine(model, tokenizer, max_new_tokens=16)
     results = engine.run(sample.context, sample.question, routes, answer_prefix=sample.answer_prefix)
-    print(f"model {name}, {n_layers} layers; needle {sample.answer}; budget {args.budget} of the context")
+    print(f"model {name}, {n_layers} layers; needle {sample.answer}; budget {describe_budget(args.budget)}")
     for r in results:
         ok = "ok " if sample.answer in r.answer else "MISS"
         print(

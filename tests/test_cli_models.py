@@ -5,6 +5,7 @@ from transformers import GPT2Config
 
 import learnroute as lr
 from learnroute.cli import main
+from learnroute.demo import needle_sample
 
 
 def test_help_lists_the_commands(capsys):
@@ -60,3 +61,26 @@ def test_demo_runs_end_to_end(capsys):
     assert main(["demo", "--tokens", "500"]) == 0
     out = capsys.readouterr().out
     assert "full@1.0" in out and "% of full" in out and out.count("answer:") == 4
+
+
+def test_demo_integer_budget_is_tokens_per_kv_head(tiny_dir, tokenizer, capsys):
+    assert main(["demo", "--model", str(tiny_dir), "--tokens", "300", "--budget", "128"]) == 0
+    out = capsys.readouterr().out
+    assert "budget 128 tokens per KV head" in out
+    # Independent count of the context the demo compresses: every compressed route keeps
+    # 128 of its n tokens in every layer.
+    sample = needle_sample(tokenizer, 300, depth=0.4, seed=0)
+    n = lr.Engine(*lr.load_model(tiny_dir)).encode(sample.context, sample.question).context_ids.shape[1]
+    assert n > 128
+    assert out.count(f"({100 * 128 / n:5.1f}% of full)") == 3 and "(100.0% of full)" in out
+
+
+@pytest.mark.parametrize(
+    "budget, problem",
+    [("0", "must be >= 1"), ("1.5", "must be in (0, 1]"), ("many", "neither an int >= 1 nor a float")],
+)
+def test_demo_refuses_a_bad_budget_before_loading_a_model(capsys, budget, problem):
+    with pytest.raises(SystemExit) as exit_:
+        main(["demo", "--budget", budget])
+    assert exit_.value.code == 2
+    assert problem in capsys.readouterr().err
