@@ -170,7 +170,8 @@ def to_dict(config: Any) -> dict[str, Any]:
 
 
 def describe(cls: type) -> str:
-    """One line per field: name, type, default and help (for ``--help-config``)."""
+    """One line per field: name, type, default and help; ``learnroute VERB --help`` shows it
+    after the options (config keys for YAML or ``key=value`` overrides)."""
     hints = typing.get_type_hints(cls)
     lines = []
     for f in dataclasses.fields(cls):

@@ -13,6 +13,7 @@ The run folder is a bench folder (re-scorable with ``learnroute report``) plus
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -27,7 +28,6 @@ from learnroute.bench import BenchConfig, run_bench
 from learnroute.runs import atomic_write, prepare_folder
 from learnroute.config import to_dict
 from learnroute.route import Route, RouteError
-from learnroute.tasks.suite import check_tasks
 
 GIVEN = "given.json"
 
@@ -53,6 +53,7 @@ class PlacementConfig:
     output: str = field(default="runs/placement", metadata={"help": "run folder"})
 
     def validate(self) -> list[str]:
+        """Problems that need no model, the bench's own checks included (sizes, tasks)."""
         problems = []
         if not self.route:
             problems.append("route is required: the route file whose placement is tested")
@@ -65,8 +66,28 @@ class PlacementConfig:
                 problems.append(str(e))
         if self.n_placements < 1:
             problems.append(f"n_placements must be >= 1, got {self.n_placements}")
-        problems += check_tasks(list(self.tasks), "eval", self.longbench_dir)
+        # The placement route files are written only when the run starts, so the bench
+        # checks everything else with the full cache standing in for them.
+        problems += dataclasses.replace(self.bench_config(), routes=["full"]).validate()
         return problems
+
+    def bench_config(self) -> BenchConfig:
+        """The bench run that evaluates the placements (route files under ``output/routes``)."""
+        out = Path(self.output)
+        return BenchConfig(
+            model=self.model,
+            tasks=self.tasks,
+            context_tokens=self.context_tokens,
+            budgets=[1.0],  # unused: route files run at their own budgets (route_file_budgets=file)
+            routes=(["full"] if self.include_full else []) + [str(out / "routes" / "*.json")],
+            route_file_budgets="file",
+            query_aware=self.query_aware,
+            seed=self.seed,
+            max_new_tokens=self.max_new_tokens,
+            max_batch=self.max_batch,
+            longbench_dir=self.longbench_dir,
+            output=str(out),
+        )
 
 
 def n_distinct_placements(methods: list[str]) -> int:
@@ -162,20 +183,7 @@ def run_placement(config: PlacementConfig, overwrite: bool = False) -> Path:
     placements = draw_placements(given, config.n_placements, config.placement_seed)
     if len(placements) < config.n_placements:
         print(f"note: only {len(placements)} distinct placements exist for these method counts")
-    bench = BenchConfig(
-        model=config.model,
-        tasks=config.tasks,
-        context_tokens=config.context_tokens,
-        budgets=[1.0],  # unused: route files run at their own budgets (route_file_budgets=file)
-        routes=(["full"] if config.include_full else []) + [str(out / "routes" / "*.json")],
-        route_file_budgets="file",
-        query_aware=config.query_aware,
-        seed=config.seed,
-        max_new_tokens=config.max_new_tokens,
-        max_batch=config.max_batch,
-        longbench_dir=config.longbench_dir,
-        output=str(out),
-    )
+    bench = config.bench_config()
     # Check (or, with overwrite, move aside) the folder before writing route files into it.
     prepare_folder(bench, overwrite, is_main=True)
     _write_routes(out / "routes", given, placements)

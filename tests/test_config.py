@@ -77,3 +77,28 @@ def test_bench_config_validation_lists_all():
 def test_bench_config_empty_tasks():
     with pytest.raises(ConfigError, match="the task list is empty"):
         load_config(BenchConfig, None, ["tasks={}"])
+
+
+def test_placement_config_collects_the_bench_problems(tmp_path, capsys):
+    from learnroute.cli import main
+    from learnroute.placement import PlacementConfig
+    from learnroute.route import Route
+
+    route = Route.from_layers(["snapkv", "tova"], 8).to_file(tmp_path / "r.json")
+    bad = [f"route={route}", "max_batch=0", "context_tokens=4", "tasks={niah_single_2: 0}", "n_placements=0"]
+    expected = ["max_batch must be >= 1, got 0", "context_tokens must be >= 16, got 4",
+                "tasks.niah_single_2: sample count must be >= 1, got 0", "n_placements must be >= 1, got 0"]
+    with pytest.raises(ConfigError) as err:
+        load_config(PlacementConfig, None, bad + ["output=" + str(tmp_path / "out")])
+    for problem in expected:
+        assert problem in str(err.value)
+    assert "routes" not in str(err.value)  # placement route files are written later: not a problem
+    # Through the command line: the same collected error, exit code 2, nothing written.
+    with pytest.raises(SystemExit) as exit_:
+        main(["placement", *bad, "output=" + str(tmp_path / "out")])
+    assert exit_.value.code == 2
+    err_text = capsys.readouterr().err
+    assert all(problem in err_text for problem in expected) and "Traceback" not in err_text
+    assert not (tmp_path / "out").exists()
+    # A good config still loads.
+    assert load_config(PlacementConfig, None, [f"route={route}"]).bench_config().max_batch == 32
