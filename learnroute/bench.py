@@ -18,7 +18,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-import socket
 import sys
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -27,7 +26,7 @@ from pathlib import Path
 from learnroute.config import to_dict
 from learnroute.methods.registry import METHODS
 from learnroute.route import Route, RouteError, budget_problem
-from learnroute.runs import append_jsonl, prepare_folder, read_jsonl, result_key
+from learnroute.runs import append_jsonl, prepare_folder, read_jsonl, result_key, wandb_run
 from learnroute.tasks.suite import check_tasks, load_tasks
 
 Budget = int | float
@@ -203,20 +202,6 @@ def resolve_routes(config: BenchConfig, n_layers: int, model: str) -> list[Cell]
 # ---------------------------------------------------------------------------- the run
 
 
-def _wandb_run(config: BenchConfig, out: Path):
-    """A wandb run, offline when no network is reachable (or WANDB_MODE says so)."""
-    import wandb
-
-    mode = os.environ.get("WANDB_MODE")
-    if mode is None:
-        try:
-            socket.create_connection(("api.wandb.ai", 443), timeout=2).close()
-            mode = "online"
-        except OSError:
-            mode = "offline"
-    return wandb.init(project=config.wandb_project, config=to_dict(config), dir=str(out), mode=mode)
-
-
 def run_bench(config: BenchConfig, overwrite: bool = False) -> Path:
     """Evaluate every cell on every sample (this process's shard); returns the run folder."""
     import torch
@@ -249,7 +234,7 @@ def run_bench(config: BenchConfig, overwrite: bool = False) -> Path:
     mine = samples[rank::world]
     engine = Engine(model, tokenizer, query_aware=config.query_aware, max_batch=config.max_batch)
     newline_id = tokenizer.encode("\n", add_special_tokens=False)[-1]  # as LongBench's pred.py takes it
-    wb = _wandb_run(config, out) if config.wandb and state.is_main_process else None
+    wb = wandb_run(config, out) if config.wandb and state.is_main_process else None
     warned: set[tuple] = set()
     bar = tqdm(mine, desc=f"bench[{rank}]" if world > 1 else "bench", disable=not state.is_main_process, unit="sample")
     for task, sample in bar:

@@ -15,6 +15,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("evaluate routes x budgets x tasks into a run folder", "learnroute.commands:bench"),
     "profile": ("per-layer damage profile on calibration data -> profile-guided routes", "learnroute.commands:profile"),
     "placement": ("rank a route among random placements of its methods", "learnroute.commands:placement"),
+    "train": ("learn per-layer gates on calibration data -> a hardened route", "learnroute.commands:train"),
+    "export": ("write the route of a trained gates run (hardened or mixture)", "learnroute.commands:export"),
     "report": ("rewrite (and re-score) a bench folder's summary and plot", "learnroute.commands:report"),
 }
 

@@ -1,5 +1,5 @@
 """Argument parsing for the config-driven verbs (``bench``, ``profile``, ``placement``,
-``report``); the work happens in the library modules they call."""
+``train``, ``export``, ``report``); the work happens in the library modules they call."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def _run_config_command(
     try:
         config = load_config(cls, args.config, args.overrides)
         out = runner(config, overwrite=args.overwrite)
-    except (ConfigError, RouteError, FileNotFoundError) as e:
+    except (ConfigError, RouteError, FileNotFoundError, RuntimeError) as e:
         parser.exit(2, f"learnroute {verb}: error: {e}\n")
     print(done(out), file=sys.stderr)
     return 0
@@ -85,4 +85,40 @@ def report(argv: list[str]) -> int:
     except (FileNotFoundError, ValueError) as e:
         parser.exit(2, f"learnroute report: error: {e}\n")
     print(Path(args.folder, "summary.md").read_text())
+    return 0
+
+
+def train(argv: list[str]) -> int:
+    """Learn per-layer gates (methods and/or budgets) on calibration samples -> a hardened route."""
+    from learnroute.gates.train import TrainConfig, run_train
+
+    return _run_config_command(
+        "train",
+        train.__doc__,
+        TrainConfig,
+        run_train,
+        argv,
+        lambda out: f"gates in {out}: route.json (hardened), pi.png, budgets.png, checkpoints/",
+    )
+
+
+def export(argv: list[str]) -> int:
+    """Write the route of a trained gates run (or one of its checkpoints) as a route file."""
+    from learnroute.gates.export import export_cli
+
+    parser = argparse.ArgumentParser(prog="learnroute export", description=export.__doc__)
+    parser.add_argument("source", help="train run folder, or a gates checkpoint (.safetensors) inside one")
+    parser.add_argument("--out", required=True, help="route file to write (JSON)")
+    parser.add_argument("--budget", help="mean budget of the route (int tokens per KV head or a fraction); "
+                        "default: the first training budget")
+    parser.add_argument("--mixture", action="store_true", help="keep π as per-layer mixture weights")
+    parser.add_argument("--temperature", type=float, help="π temperature of a mixture (default: the final one)")
+    parser.add_argument("--model", help="refuse the checkpoint unless it was trained on this model name")
+    args = parser.parse_args(argv)
+    try:
+        route = export_cli(args.source, args.out, budget=args.budget, mixture=args.mixture,
+                           temperature=args.temperature, model=args.model)
+    except (ConfigError, RouteError, FileNotFoundError, ValueError) as e:
+        parser.exit(2, f"learnroute export: error: {e}\n")
+    print(f"wrote {args.out}: {route.describe()}", file=sys.stderr)
     return 0

@@ -144,3 +144,20 @@ def prepare_folder(config: Any, overwrite: bool, is_main: bool) -> Path:
         atomic_write(saved, yaml.safe_dump(resolved, sort_keys=False))
         atomic_write(out / "versions.json", json.dumps(versions(), indent=2) + "\n")
     return out
+
+
+def wandb_run(config: Any, out: Path):
+    """A wandb run for ``config`` (which has ``wandb_project``), offline when no network is
+    reachable (or as ``WANDB_MODE`` says); it writes under ``out``."""
+    import socket
+
+    import wandb
+
+    mode = os.environ.get("WANDB_MODE")
+    if mode is None:
+        try:
+            socket.create_connection(("api.wandb.ai", 443), timeout=2).close()
+            mode = "online"
+        except OSError:
+            mode = "offline"
+    return wandb.init(project=config.wandb_project, config=to_dict(config), dir=str(out), mode=mode)
