@@ -274,11 +274,15 @@ def allocate_by_sensitivity(
     about budget / 20 as well): a layer that looked insensitive on calibration data is
     not left with nothing. No layer gets more than ``cap`` (the profiled context length
     for token budgets, 1.0 for fractions); what a capped layer cannot use goes to the
-    others in proportion to their sensitivity (water filling). Integer budgets are
-    rounded by largest remainder so the total stays exact.
+    others in proportion to their sensitivity (water filling). Integer budgets keep at
+    least 1 token per layer and are rounded so the total is exactly ``L x min(budget, cap)``.
     """
+    if (problem := budget_problem(budget)) is not None:
+        raise ValueError(problem)
     L = len(sens)
     is_frac = isinstance(budget, float)
+    if not is_frac and cap is not None and cap < 1:
+        raise ValueError(f"cap must be >= 1 token, got {cap}")
     limit = 1.0 if is_frac else float(cap if cap is not None else budget * L)
     total = min(budget * L, limit * L)
     floor = min(budget * floor_share, limit)
@@ -286,7 +290,7 @@ def allocate_by_sensitivity(
     weights = [max(s, 0.0) for s in sens]
     extra = total - floor * L
     active = set(range(L))
-    while extra > 1e-9 and active:
+    while extra > 1e-12 * total and active:  # relative: fractions may be tiny
         wsum = sum(weights[i] for i in active)
         give = {i: extra * (weights[i] / wsum if wsum > 0 else 1 / len(active)) for i in active}
         over = [i for i in active if alloc[i] + give[i] > limit]
@@ -300,15 +304,19 @@ def allocate_by_sensitivity(
             active.discard(i)
     if is_frac:
         return alloc
-    ints = [max(1, int(a)) for a in alloc]
-    short = round(total) - sum(ints)
-    order = sorted(range(L), key=lambda i: alloc[i] - int(alloc[i]), reverse=True)
-    for i in order:  # largest remainders first, never above the cap
-        if short <= 0:
-            break
-        if ints[i] + 1 <= limit:
-            ints[i] += 1
-            short -= 1
+    # Round down, within [1, cap], then move single tokens until the total is exact: to the
+    # layers furthest below their real-valued share, or (when the 1-token minimum pushed the
+    # sum over, e.g. many near-zero layers) from those furthest above it. Ties: lower layer.
+    hi = int(limit)
+    target = min(round(total), hi * L)  # >= L since budget >= 1 and cap >= 1
+    ints = [min(hi, max(1, int(a))) for a in alloc]
+    while (diff := target - sum(ints)) != 0:
+        if diff > 0:
+            order = sorted((i for i in range(L) if ints[i] < hi), key=lambda i: ints[i] - alloc[i])
+        else:
+            order = sorted((i for i in range(L) if ints[i] > 1), key=lambda i: alloc[i] - ints[i])
+        for i in order[: abs(diff)]:
+            ints[i] += 1 if diff > 0 else -1
     return ints
 
 

@@ -28,7 +28,9 @@ def resolve_budget(budget: Budget, n: int) -> int:
         return min(budget, n)
     if not 0.0 < budget <= 1.0:
         raise ValueError(f"budget must be an int >= 1 or a float in (0, 1], got {budget!r}")
-    return min(n, compute_n_kept(n, 1.0 - budget))
+    # max(1, ...): below 2**-53, 1 - budget rounds to 1.0, which kvpress reads as "evict the
+    # whole layer"; a fraction > 0 never asks for that (found by a property test).
+    return min(n, max(1, compute_n_kept(n, 1.0 - budget)))
 
 
 def keep_indices(scores: torch.Tensor, n_kept: int) -> torch.Tensor:
