@@ -1,5 +1,7 @@
 # The two set-up commands a new user runs: `make run` and `make test`.
-PY ?= python3.11
+# python3.11 when there is one (the torch CPU wheel on this project's machines is for
+# 3.11), else python3; any Python >= 3.10 works: `make PY=python3.12 test`.
+PY ?= $(or $(shell command -v python3.11 2>/dev/null),python3)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
@@ -7,7 +9,8 @@ STAMP := $(VENV)/.installed
 .PHONY: run test install clean bench
 
 $(STAMP): pyproject.toml Makefile
-	test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
+	@$(PY) -c 'import sys; sys.exit(sys.version_info < (3, 10))' || { echo "learnroute needs Python >= 3.10; $(PY) is older: make PY=python3.x"; exit 1; }
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	# torch first: the pinned CPU wheel that is on disk (a bare `torch` would pull a CUDA build)
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e ".[dev]"
