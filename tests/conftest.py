@@ -1,4 +1,11 @@
-"""Shared fixtures: the real SmolLM2 tokenizer, tiny random Llama models, the default model."""
+"""Shared fixtures: the real SmolLM2 tokenizer, tiny random Llama models, the default model.
+
+Marker ``slow``: the test runs the default model, SmolLM2-135M-Instruct (fixture ``smol``,
+``lr.load_model()``, or a command without ``model=``), seconds to minutes each on 2 CPU
+cores. ``pytest -m "not slow"`` is the quick loop: tiny random models and the real
+tokenizer only (the ``tokenizer`` fixture loads the tokenizer files, not the weights).
+A test that asks for ``smol`` is marked slow here even if its decorator is forgotten.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +14,7 @@ import torch
 
 import learnroute as lr
 from learnroute.demo import needle_sample
+from learnroute.models import default_model_dir
 
 torch.set_num_threads(2)
 
@@ -18,8 +26,17 @@ def smol():
 
 
 @pytest.fixture(scope="session")
-def tokenizer(smol):
-    return smol[1]
+def tokenizer():
+    """The default model's tokenizer alone (converting the model once if it never was)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_model_dir())
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "smol" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
 
 
 def make_tiny(tokenizer, n_layers: int = 4, attn: str = "sdpa", seed: int = 0):

@@ -31,6 +31,7 @@ def test_show_refuses_a_bad_file(tmp_path, capsys):
     assert "unknown method 'nope'" in err and "budget 0" in err
 
 
+@pytest.mark.slow
 def test_default_model_is_smollm2_with_30_layers(smol):
     model, tok = smol
     assert model.config.num_hidden_layers == 30 and model.config.num_key_value_heads == 3
@@ -57,6 +58,7 @@ def test_a_folder_without_config_is_refused(tmp_path):
         lr.load_model(tmp_path)
 
 
+@pytest.mark.slow
 def test_demo_runs_end_to_end(capsys):
     assert main(["demo", "--tokens", "500"]) == 0
     out = capsys.readouterr().out

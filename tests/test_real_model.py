@@ -7,6 +7,8 @@ from learnroute import Engine, Route, RoutedPress
 from learnroute.demo import needle_sample
 from learnroute.methods import KVPRESS_METHODS, kvpress_press, resolve_budget
 
+pytestmark = pytest.mark.slow  # every test here runs the default model
+
 KEPT = 0.3  # fraction kept (kvpress compression_ratio 0.7 keeps the same count)
 
 
