@@ -210,6 +210,10 @@ class Engine:
         methods' scores (:func:`learnroute.methods.mixing.mixed_scores`) instead.
         """
         n = prefill.layer_tokens[layer]
+        if mixture is not None:
+            active = [(m, w) for m, w in mixture if w > 0]
+            if len(active) == 1:  # one component: that method's own selection (ties as it breaks them)
+                method, mixture = active[0][0], None
         if mixture is None and self.method(method).keeps_all:
             n_kept = n
         key = (layer, method if mixture is None else mixture, n_kept)

@@ -149,13 +149,15 @@ class Gates(nn.Module):
         floor = self.budget_floor * mean_k
         shares = self.shares()
         k = floor + (total - floor * n_free) * shares  # (L,)
+        capped = torch.zeros_like(free)
         for _ in range(self.n_layers):  # water filling: at most L rounds
             over = (k > n) & free
             if not bool(over.any()):
                 break
+            capped = capped | over  # capped layers stay at n: later excess goes elsewhere
             excess = (k - n).clamp_min(0).masked_fill(~free, 0).sum()
-            room = shares.masked_fill(over | ~free, 0)
-            k = torch.where(over, torch.full_like(k, float(n)), k + excess * room / room.sum().clamp_min(1e-12))
+            room = shares.masked_fill(capped | ~free, 0)
+            k = torch.where(capped, torch.full_like(k, float(n)), k + excess * room / room.sum().clamp_min(1e-12))
         return torch.where(free, k, torch.full_like(k, float(n)))
 
     def hard_budgets(self, mean_k: float, n: int) -> list[int]:

@@ -91,6 +91,7 @@ class TrainConfig:
     )
     gumbel: bool = field(default=False, metadata={"help": "Gumbel-softmax gates (noise drawn per step)"})
     entropy_weight: float = field(default=0.0, metadata={"help": "weight of the mean entropy of π (sharpening)"})
+    ce_weight: float = field(default=1.0, metadata={"help": "weight of the reference answer's cross-entropy"})
     kl_weight: float = field(default=0.0, metadata={"help": "weight of KL(full cache || soft route) on answer tokens"})
     first_token_weight: float = field(
         default=1.0, metadata={"help": "CE weight of the first answer token relative to the others (greedy decoding)"}
@@ -167,7 +168,9 @@ class TrainConfig:
             problems.append(f"budget_floor must be in [0, 1), got {self.budget_floor}")
         if not self.eps > 0:
             problems.append(f"eps must be > 0, got {self.eps}")
-        for name in ("entropy_weight", "kl_weight", "first_token_weight", "weight_decay"):
+        if self.ce_weight == 0 and self.kl_weight == 0:
+            problems.append("ce_weight and kl_weight are both 0: there is no task loss to train on")
+        for name in ("entropy_weight", "ce_weight", "kl_weight", "first_token_weight", "weight_decay"):
             if getattr(self, name) < 0:
                 problems.append(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.select not in SELECT:
@@ -258,13 +261,13 @@ def prepare_item(engine, task: str, sample, methods: list[str], with_ref: bool) 
 
 def answer_loss(
     model, item: CalibItem, masks: torch.Tensor | None, *, eps: float, first_token_weight: float = 1.0,
-    kl_weight: float = 0.0, hard: bool = False,
+    ce_weight: float = 1.0, kl_weight: float = 0.0, hard: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Teacher-forced loss of the reference answer under keep-masks (L, H, n) (None = full).
 
     Soft masks enter as ``log(m + eps)``; ``hard`` masks (0/1) as -inf on evicted tokens,
     which is exactly evicting them. Returns (loss, CE): CE weighted towards the first
-    token by ``first_token_weight``, plus ``kl_weight`` x KL(full || route).
+    token by ``first_token_weight`` (times ``ce_weight``), plus ``kl_weight`` x KL(full || route).
     """
     from learnroute import _hf
 
@@ -281,7 +284,7 @@ def answer_loss(
     w = torch.ones_like(nll)
     w[0] = first_token_weight
     ce = (w * nll).sum() / w.sum()
-    loss = ce
+    loss = ce_weight * ce
     if kl_weight > 0 and item.ref_logp is not None:
         kl = (item.ref_logp.exp() * (item.ref_logp - logp)).sum(-1).mean()
         loss = loss + kl_weight * kl
@@ -455,6 +458,7 @@ def run_train(config: TrainConfig, overwrite: bool = False, progress: bool = Tru
     with frozen(model):
         log.info("prefilling %d calibration samples (%d train, %d validation)", len(pairs), len(train_idx), n_val)
         mine = train_idx[rank::world]
+        mine_set = set(mine)
         items: dict[int, CalibItem] = {}
         for i in tqdm(mine + (val_idx if acc.is_main_process else []), desc="prefill", disable=not progress or not acc.is_main_process):
             task, sample = pairs[i]
@@ -470,7 +474,8 @@ def run_train(config: TrainConfig, overwrite: bool = False, progress: bool = Tru
         if ckpt is not None:
             start, best = _resume(ckpt, gates, optimizer, name, n_layers, config.methods)
             log.info("resumed from %s (step %d)", ckpt, start)
-        history = [r for r in read_jsonl(out / "history.jsonl") if r["step"] < start] if acc.is_main_process else []
+        # Rows up to the checkpoint's step are final (evaluations of a step run before its save).
+        history = [r for r in read_jsonl(out / "history.jsonl") if r["step"] <= start] if acc.is_main_process else []
         if acc.is_main_process and ckpt is not None:
             atomic_write(out / "history.jsonl", "".join(json.dumps(r, sort_keys=True) + "\n" for r in history))
         val_items = [items[i] for i in val_idx] if acc.is_main_process else []
@@ -500,7 +505,9 @@ def run_train(config: TrainConfig, overwrite: bool = False, progress: bool = Tru
             temp = anneal(config.gate_temperature, step, config.steps)
             tau = anneal(config.topk_temperature, step, config.steps)
             optimizer.zero_grad(set_to_none=False)
-            local = [i for i in batch[rank::world] if i in items]
+            # Each process prefilled its own share of the training samples: it computes the
+            # batch members it holds (gradients are summed across processes below).
+            local = [i for i in batch if i in mine_set]
             loss_sum, ce_sum = torch.zeros((), device=acc.device), torch.zeros((), device=acc.device)
             for i in local:
                 item = items[i]
@@ -516,7 +523,7 @@ def run_train(config: TrainConfig, overwrite: bool = False, progress: bool = Tru
                 )
                 loss, ce = answer_loss(
                     model, item, masks, eps=config.eps, first_token_weight=config.first_token_weight,
-                    kl_weight=config.kl_weight,
+                    ce_weight=config.ce_weight, kl_weight=config.kl_weight,
                 )
                 if config.entropy_weight > 0 and gates.theta.requires_grad:
                     loss = loss + config.entropy_weight * gates.entropy(temp)
@@ -533,7 +540,7 @@ def run_train(config: TrainConfig, overwrite: bool = False, progress: bool = Tru
             if not math.isfinite(loss_all) or any(not bool(torch.isfinite(p.grad).all()) for p in params):
                 last = _latest_checkpoint(out / "checkpoints")
                 raise TrainingError(
-                    f"the loss or a gradient became NaN/inf at step {step} (loss {loss_all}); nothing was updated. "
+                    f"the loss or a gradient became NaN/inf at step {step + 1} (loss {loss_all}); nothing was updated. "
                     f"The last good checkpoint is {last or 'none (no step was saved yet)'}; try a smaller lr or "
                     "a larger topk_temperature end value"
                 )
