@@ -15,6 +15,7 @@ from transformers import PreTrainedModel
 from learnroute import _hf
 from learnroute._hf.attention import _OWN_MASKS_ATTR
 from learnroute.methods.base import Method, keep_indices, resolve_budget
+from learnroute.methods.mixing import mixed_scores
 from learnroute.methods.registry import get_method
 from learnroute.route import Route
 
@@ -23,7 +24,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class RoutedPress(BasePress):
-    """A kvpress press applying ``route``: layer l scores with its method, keeps its budget.
+    """A kvpress press applying ``route``: layer l scores with its method (or the mixed ranks
+    of a mixture layer's methods), keeps its budget.
 
     Works in kvpress's pipeline on CPU with sdpa or eager, in one line::
 
@@ -45,9 +47,8 @@ class RoutedPress(BasePress):
     method_options: dict[str, dict] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self._methods: dict[str, Method] = {
-            name: get_method(name, **self.method_options.get(name, {})) for name in set(self.route.methods)
-        }
+        names = {m for e in self.route.layers for m in e.methods}  # mixture layers need every component
+        self._methods: dict[str, Method] = {name: get_method(name, **self.method_options.get(name, {})) for name in names}
 
     def needs_routed_attention(self) -> bool:
         """Can layers end with different cache lengths? (Call inside the press context,
@@ -76,7 +77,12 @@ class RoutedPress(BasePress):
         if n_kept >= n:
             return keys, values
         capture = _hf.LayerCapture(module, hidden_states, keys, values, kwargs["position_embeddings"])
-        idx = keep_indices(method.score(capture, n_kept), n_kept)  # (B, H_kv, k)
+        active = [(m, w) for m, w in entry.mixture or () if w > 0]
+        if len(active) > 1:  # a mixture layer: top-k of the mixed ranks, as the engine keeps
+            scores = mixed_scores({m: self._methods[m].score(capture, n_kept) for m, _ in active}, active)
+        else:
+            scores = self._methods[active[0][0] if active else entry.method].score(capture, n_kept)
+        idx = keep_indices(scores, n_kept)  # (B, H_kv, k)
         idx = idx.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])  # (B, H_kv, k, d)
         return keys.gather(2, idx).contiguous(), values.gather(2, idx).contiguous()
 

@@ -412,3 +412,23 @@ def test_bad_train_config_is_one_error_before_any_model_loads(tmp_path):
         load_config(T.TrainConfig, overrides=["budgets=[4096]", "context_tokens=1024"])
     with pytest.raises(ConfigError, match="config file .* does not exist"):
         load_config(T.TrainConfig, tmp_path / "nope.yaml")
+
+
+def test_mixture_route_in_kvpress_pipeline_equals_the_engine(tiny, tokenizer, sample):
+    """A soft mixture route (several methods per layer) keeps the same tokens in RoutedPress
+    as in the engine; and it is not just its argmax method (the mixture changes the answer's
+    logits)."""
+    from transformers import pipeline
+
+    mixes = [{"snapkv": 0.5, "knorm": 0.5}, {"tova": 0.2, "keydiff": 0.8}, {"knorm": 1.0}, {"h2o": 0.6, "tova": 0.4}]
+    methods = [max(m, key=m.get) for m in mixes]
+    route = Route.from_layers(methods, [40, 0.3, 60, 0.5], mixtures=mixes)
+    engine = Engine(tiny, tokenizer, max_new_tokens=6)
+    res, hard = engine.run(sample.context, sample.question, [route, route.hardened()], sample.answer_prefix,
+                           keep_logits=True)
+    assert not torch.allclose(res.first_logits, hard.first_logits)
+    pipe = pipeline("kv-press-text-generation", model=tiny, tokenizer=tokenizer, device="cpu")
+    with lr.routed_attention(tiny):
+        got = pipe(sample.context, question=sample.question, answer_prefix=sample.answer_prefix,
+                   press=lr.RoutedPress(route), max_new_tokens=6)["answer"]
+    assert got == res.answer

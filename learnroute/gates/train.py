@@ -391,8 +391,13 @@ def _init_from(config: TrainConfig, n_layers: int) -> tuple[list[str] | None, li
         kinds = {isinstance(b, float) for b in route.budgets}
         shares = None
         if len(kinds) == 1 and len(set(route.budgets)) > 1:
-            total = float(sum(route.budgets))
-            shares = [float(b) / total for b in route.budgets]
+            # Invert the gates' budget map k_l = mean·(f + (1 - f)·L·share_l) so the initial
+            # soft budgets reproduce the route's shape (layers below the floor get ~0 share).
+            mean = float(sum(route.budgets)) / n_layers
+            f = config.budget_floor
+            shares = [max(float(b) / mean - f, 0.0) / (n_layers * (1 - f)) for b in route.budgets]
+            total = sum(shares)
+            shares = [x / total for x in shares] if total > 0 else None
         return route.methods, shares
     if config.init_method is not None:
         return [config.init_method] * n_layers, None
