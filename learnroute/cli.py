@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "placement": ("rank a route among random placements of its methods", "learnroute.commands:placement"),
     "train": ("learn per-layer gates on calibration data -> a hardened route", "learnroute.commands:train"),
     "export": ("write the route of a trained gates run (hardened or mixture)", "learnroute.commands:export"),
+    "study": ("profile, train, export and bench learned vs offline routes: the project's study", "learnroute.commands:study"),
     "report": ("rewrite (and re-score) a bench folder's summary and plot", "learnroute.commands:report"),
 }
 

@@ -73,19 +73,42 @@ def placement(argv: list[str]) -> int:
 
 
 def report(argv: list[str]) -> int:
-    """Rewrite a bench folder's summary (CSV, markdown, plot) from its JSONL files."""
+    """Rewrite a bench folder's summary (CSV, markdown, plot), or a study folder's answers
+    (study.json, study.md and its benches' summaries), from the JSONL files alone."""
     from learnroute.report import summarize
 
     parser = argparse.ArgumentParser(prog="learnroute report", description=report.__doc__)
-    parser.add_argument("folder", help="bench run folder")
+    parser.add_argument("folder", help="bench run folder or study folder")
     parser.add_argument("--rescore", action="store_true", help="recompute scores from samples.jsonl")
     args = parser.parse_args(argv)
+    folder = Path(args.folder)
     try:
-        summarize(args.folder, rescore=args.rescore)
+        if (folder / "config.yaml").is_file() and any(folder.glob("bench_*/results.jsonl")):
+            from learnroute.study import analyze
+
+            for bench in sorted(folder.glob("bench_*")):
+                summarize(bench, rescore=args.rescore)
+            analyze(folder, rescore=args.rescore)
+            print((folder / "study.md").read_text())
+            return 0
+        summarize(folder, rescore=args.rescore)
     except (FileNotFoundError, ValueError) as e:
         parser.exit(2, f"learnroute report: error: {e}\n")
-    print(Path(args.folder, "summary.md").read_text())
+    print(Path(folder, "summary.md").read_text())
     return 0
+
+
+def study(argv: list[str]) -> int:
+    """Profile, train every variant, export, bench on eval samples, placement: one study folder."""
+    from learnroute.study import StudyConfig, run_study, summary_table
+
+    def done(out: Path) -> str:
+        import json
+
+        result = json.loads((out / "study.json").read_text())
+        return f"{summary_table(result)}\n\nfull answers in {out / 'study.md'}"
+
+    return _run_config_command("study", study.__doc__, StudyConfig, run_study, argv, done)
 
 
 def train(argv: list[str]) -> int:

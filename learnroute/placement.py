@@ -181,6 +181,11 @@ def run_placement(config: PlacementConfig, overwrite: bool = False) -> Path:
     out = Path(config.output)
     given = Route.from_file(config.route)
     placements = draw_placements(given, config.n_placements, config.placement_seed)
+    if not placements:
+        raise RouteError(
+            f"route {config.route} uses one method in every layer ({given.methods[0]}): "
+            "there is no other placement of its methods to compare with"
+        )
     if len(placements) < config.n_placements:
         print(f"note: only {len(placements)} distinct placements exist for these method counts")
     bench = config.bench_config()

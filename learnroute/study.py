@@ -1,0 +1,458 @@
+"""``learnroute study``: learned vs profile-guided vs homogeneous routes, end to end.
+
+Stages (each a sub-folder of the study folder, each resumable on its own):
+
+1. ``profile/``: per-layer damage on **calibration** samples -> ``profile_<b>.json``
+   (per-layer best method) and ``profile_<b>_alloc.json`` (+ sensitivity budgets);
+2. ``train/<variant>/``: learned gates per variant (the main route and the ablations),
+   on the same calibration samples;
+3. ``routes/``: every learned route exported (hardened; mixtures where asked);
+4. ``bench_<protocol>/``: **eval** samples (a disjoint seed stream): the full cache, every
+   homogeneous method, pyramid, profile-guided and learned routes at every budget;
+5. ``placement/``: the main learned route among random placements of its methods;
+6. ``study.json`` / ``study.md``: the answers, with paired bootstrap intervals.
+
+Finished stages are skipped (a train variant with its ``route.json``, a profile with its
+``profile.json``); bench and placement skip finished samples themselves. ``analyze``
+rebuilds the answers from the folders alone (``learnroute report STUDY_FOLDER``).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from statistics import mean
+from typing import Any
+
+from learnroute.config import ConfigError, from_dict, to_dict
+from learnroute.gates.train import CANDIDATES, TrainConfig
+from learnroute.route import Route, budget_problem
+from learnroute.tasks.suite import check_tasks
+
+Budget = int | float
+PROTOCOLS = ("agnostic", "aware")
+VALID_FULL = 0.3  # tasks where the full cache scores below this are left out of averages
+# Keys of a variant that the study sets itself (one calibration set, one model, one budget list).
+STUDY_OWNED = ("model", "tasks", "context_tokens", "seed", "methods", "output", "query_aware")
+
+
+@dataclass
+class StudyConfig:
+    """The study: calibration and eval tasks, budgets, variants, placements."""
+
+    model: str | None = field(default=None, metadata={"help": "HF model folder or hub id; null = bundled SmolLM2"})
+    context_tokens: int = field(default=1024, metadata={"help": "context length of every sample (tokens)"})
+    calibration: dict[str, int] = field(
+        default_factory=lambda: {"niah_single_2": 3, "niah_multikey": 3, "niah_multivalue": 3, "multihop_qa": 3},
+        metadata={"help": "calibration task -> samples (profile and training; never evaluated)"},
+    )
+    calibration_seed: int = field(default=0, metadata={"help": "seed of the calibration sample stream"})
+    eval_tasks: dict[str, int] = field(
+        default_factory=lambda: {"niah_single_1": 4, "niah_single_2": 4, "niah_multivalue": 4, "niah_multiquery": 4},
+        metadata={"help": "eval task -> samples (disjoint seed stream from calibration)"},
+    )
+    eval_seed: int = field(default=0, metadata={"help": "seed of the eval sample stream"})
+    budgets: list[Budget] = field(default_factory=lambda: [0.1, 0.2], metadata={"help": "budgets compared"})
+    protocols: list[str] = field(default_factory=lambda: ["agnostic"], metadata={"help": "agnostic and/or aware"})
+    methods: list[str] = field(default_factory=lambda: list(CANDIDATES), metadata={"help": "candidate methods"})
+    pyramid: list[str] = field(default_factory=lambda: ["snapkv"], metadata={"help": "methods also run with PyramidKV budgets"})
+    profile_budget: Budget | None = field(
+        default=None, metadata={"help": "budget the profile measures (null = the first budget); routes rescale"}
+    )
+    train: dict[str, Any] = field(
+        default_factory=dict, metadata={"help": "TrainConfig overrides shared by every variant (steps, lr, ...)"}
+    )
+    variants: dict[str, dict[str, Any]] = field(
+        default_factory=lambda: {"learned": {}},
+        metadata={
+            "help": "variant -> TrainConfig overrides; init_route may be @profile or @profile_alloc, "
+            "init_method @profile_best (the method with the least mean damage in the profile)"
+        },
+    )
+    main_variant: str = field(default="learned", metadata={"help": "the variant questions 1-5 are asked of"})
+    mixture_of: list[str] = field(default_factory=list, metadata={"help": "variants also exported as mixture routes"})
+    per_budget: bool = field(default=False, metadata={"help": "also train the main variant once per budget"})
+    placements: int = field(default=20, metadata={"help": "random placements of the main learned route"})
+    placement_budget: Budget | None = field(default=None, metadata={"help": "its budget (null = the first budget)"})
+    bootstrap: int = field(default=2000, metadata={"help": "bootstrap resamples for the paired intervals"})
+    max_new_tokens: int | None = field(default=None, metadata={"help": "answer cap; null = each task's own"})
+    output: str = field(default="runs/study/default", metadata={"help": "study folder"})
+
+    def validate(self) -> list[str]:
+        problems = []
+        problems += [f"calibration: {p}" for p in check_tasks(list(self.calibration), "calibration")]
+        problems += [f"eval_tasks: {p}" for p in check_tasks(list(self.eval_tasks), "eval")]
+        for name, tasks in (("calibration", self.calibration), ("eval_tasks", self.eval_tasks)):
+            for t, n in tasks.items():
+                if n < 1:
+                    problems.append(f"{name}.{t}: sample count must be >= 1, got {n}")
+        if not self.budgets:
+            problems.append("budgets is empty")
+        for b in self.budgets + [x for x in (self.profile_budget, self.placement_budget) if x is not None]:
+            if (p := budget_problem(b)) is not None:
+                problems.append(f"budgets: {p}")
+        bad = [p for p in self.protocols if p not in PROTOCOLS]
+        if bad or not self.protocols:
+            problems.append(f"protocols must be a non-empty subset of {', '.join(PROTOCOLS)}, got {self.protocols}")
+        if self.main_variant not in self.variants:
+            problems.append(f"main_variant {self.main_variant!r} is not among the variants {list(self.variants)}")
+        for v in self.mixture_of:
+            if v not in self.variants:
+                problems.append(f"mixture_of: {v!r} is not a variant ({', '.join(self.variants)})")
+        if self.placements < 0 or self.bootstrap < 100:
+            problems.append("placements must be >= 0 and bootstrap >= 100")
+        # Every variant's training config must be valid (checked with the profile tokens
+        # standing in for files that exist only once the profile has run).
+        try:
+            variants = self.variant_configs(Path(self.output), check=True)
+        except ConfigError as e:
+            return problems + [str(e)]
+        for name, cfg in variants.items():
+            try:
+                from_dict(TrainConfig, cfg)
+            except ConfigError as e:
+                problems.append(f"variant {name!r}: {e}")
+        return problems
+
+    def variant_configs(self, out: Path, check: bool = False) -> dict[str, dict[str, Any]]:
+        """Per variant the TrainConfig data: defaults <- ``train`` <- the variant's own keys,
+        with the study's model, calibration set, budgets and methods."""
+        variants = dict(self.variants)
+        if self.per_budget:
+            for b in self.budgets:
+                variants[f"{self.main_variant}@{b}"] = {**self.variants.get(self.main_variant, {}), "budgets": [b]}
+        out_cfgs = {}
+        for name, over in variants.items():
+            owned = sorted(set(over) & set(STUDY_OWNED))
+            if owned:
+                raise ConfigError(f"variant {name!r} sets {owned}; the study sets those for every variant")
+            data = {**self.train, **over}
+            data.update(
+                model=self.model,
+                tasks=dict(self.calibration),
+                context_tokens=self.context_tokens,
+                seed=self.calibration_seed,
+                methods=list(self.methods),
+                output=str(out / "train" / _safe(name)),
+            )
+            data.setdefault("budgets", list(self.budgets))
+            for key in ("init_route", "init_method"):
+                if isinstance(data.get(key), str) and data[key].startswith("@"):
+                    data[key] = None if check else self._resolve_token(out, data[key])
+                    if check and key == "init_method" and data.get("learn") == "budgets":
+                        data[key] = self.methods[0]  # stands in until the profile exists
+            out_cfgs[name] = data
+        return out_cfgs
+
+    def _resolve_token(self, out: Path, token: str) -> str:
+        prof = out / "profile"
+        b = self.profile_budget if self.profile_budget is not None else self.budgets[0]
+        if token == "@profile":
+            return str(prof / f"profile_{b}.json")
+        if token == "@profile_alloc":
+            return str(prof / f"profile_{b}_alloc.json")
+        if token == "@profile_best":
+            profile = json.loads((prof / "profile.json").read_text())
+            damage = profile["damage"][profile["select_by"]][json.dumps(b)]
+            means = [mean(row[j] for row in damage) for j in range(len(profile["methods"]))]
+            return profile["methods"][min(range(len(means)), key=means.__getitem__)]
+        raise ConfigError(f"unknown study token {token!r}; valid: @profile, @profile_alloc, @profile_best")
+
+
+def _safe(name: str) -> str:
+    return name.replace("/", "_").replace("@", "_at_")
+
+
+# ---------------------------------------------------------------------------- the run
+
+
+def run_study(config: StudyConfig, overwrite: bool = False) -> Path:
+    """Run (or resume) every stage; returns the study folder with study.md."""
+    from learnroute.bench import BenchConfig, run_bench
+    from learnroute.gates.export import export_cli
+    from learnroute.gates.train import run_train
+    from learnroute.placement import PlacementConfig, run_placement
+    from learnroute.profile import ProfileConfig, run_profile
+    from learnroute.runs import prepare_folder
+
+    out = prepare_folder(config, overwrite, is_main=True)
+    pb = config.profile_budget if config.profile_budget is not None else config.budgets[0]
+    log = _say
+    # 1. profile (calibration samples)
+    if not (out / "profile" / "profile.json").is_file():
+        log("stage 1/5: profile on calibration samples")
+        run_profile(
+            ProfileConfig(
+                model=config.model,
+                tasks=dict(config.calibration),
+                context_tokens=config.context_tokens,
+                budgets=[pb],
+                methods=list(config.methods),
+                seed=config.calibration_seed,
+                output=str(out / "profile"),
+            )
+        )
+    # 2. train every variant (same calibration samples)
+    for name, data in config.variant_configs(out).items():
+        tcfg = from_dict(TrainConfig, data)
+        if not (Path(tcfg.output) / "route.json").is_file():
+            log(f"stage 2/5: train variant {name!r}")
+            run_train(tcfg)
+    # 3. export the routes (cheap; always rewritten from the checkpoints)
+    routes = out / "routes"
+    routes.mkdir(exist_ok=True)
+    for name, data in config.variant_configs(out).items():
+        run = Path(data["output"])
+        export_cli(run, routes / f"learned_{_safe(name)}.json")
+        if name in config.mixture_of:
+            export_cli(run, routes / f"learned_{_safe(name)}_mixture.json", mixture=True)
+    # 4. bench on eval samples, per protocol
+    specs = ["full"] + [f"homogeneous:{m}" for m in config.methods] + [f"pyramid:{m}" for m in config.pyramid]
+    specs += [str(out / "profile" / f"profile_{pb}.json"), str(out / "profile" / f"profile_{pb}_alloc.json")]
+    specs += [str(routes / "learned_*.json")]
+    for protocol in config.protocols:
+        log(f"stage 4/5: bench ({protocol}) on eval samples")
+        run_bench(
+            BenchConfig(
+                model=config.model,
+                tasks=dict(config.eval_tasks),
+                context_tokens=config.context_tokens,
+                budgets=list(config.budgets),
+                routes=specs,
+                query_aware=protocol == "aware",
+                seed=config.eval_seed,
+                max_new_tokens=config.max_new_tokens,
+                output=str(out / f"bench_{protocol}"),
+            )
+        )
+    # 5. placement of the main learned route (query-agnostic, at one budget)
+    if config.placements > 0:
+        log("stage 5/5: placement study of the learned route")
+        from learnroute.bench import rescale
+
+        b = config.placement_budget if config.placement_budget is not None else config.budgets[0]
+        main = Route.from_file(routes / f"learned_{_safe(config.main_variant)}.json")
+        given = out / "placement_route.json"
+        new = rescale(main, b)
+        if not given.is_file() or Route.from_file(given).to_dict() != new.to_dict():
+            new.to_file(given)
+        if len(set(main.methods)) < 2:
+            log("the learned route uses one method in every layer: no placement study (question 4 n/a)")
+        else:
+            run_placement(
+                PlacementConfig(
+                    route=str(given),
+                    n_placements=config.placements,
+                    model=config.model,
+                    tasks=dict(config.eval_tasks),
+                    context_tokens=config.context_tokens,
+                    seed=config.eval_seed,
+                    max_new_tokens=config.max_new_tokens,
+                    output=str(out / "placement"),
+                )
+            )
+    analyze(out)
+    return out
+
+
+def _say(msg: str) -> None:
+    import sys
+
+    print(f"learnroute study: {msg}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------- analysis
+
+
+def paired(a: dict[str, float], b: dict[str, float], n_boot: int, seed: int = 0) -> dict[str, Any]:
+    """Mean of a - b over the samples both have, with a percentile bootstrap 95 % interval
+    (resampling samples; seeded). ``verdict``: win / loss / tie (the interval holds 0)."""
+    ids = sorted(set(a) & set(b))
+    d = [a[i] - b[i] for i in ids]
+    if not d:
+        return {"n": 0, "diff": None, "lo": None, "hi": None, "verdict": "n/a"}
+    rng = random.Random(seed)
+    boots = sorted(mean(rng.choice(d) for _ in d) for _ in range(n_boot))
+    lo, hi = boots[int(0.025 * n_boot)], boots[int(0.975 * n_boot) - 1]
+    verdict = "tie" if lo <= 0 <= hi else ("win" if lo > 0 else "loss")
+    return {"n": len(d), "diff": mean(d), "lo": lo, "hi": hi, "verdict": verdict}
+
+
+def _scores(rows: list[dict], tasks: set[str]) -> dict[tuple[str, str], dict[str, float]]:
+    """(route, budget JSON) -> sample id -> score, over ``tasks``."""
+    out: dict[tuple[str, str], dict[str, float]] = {}
+    for r in rows:
+        if r["task"] in tasks:
+            out.setdefault((r["route"], json.dumps(r["budget"])), {})[r["sample_id"]] = float(r["score"])
+    return out
+
+
+def _label(route: str) -> str:
+    """Short names for route files: learned_<v>, profile, profile_alloc."""
+    stem = Path(route).stem
+    if stem.startswith("profile_"):
+        return "profile_alloc" if stem.endswith("_alloc") else "profile"
+    return stem if route.endswith(".json") else route
+
+
+def analyze(folder: str | Path, rescore: bool = False) -> dict[str, Any]:
+    """The study's answers from its folders alone; writes study.json and study.md."""
+    import yaml
+
+    from learnroute.report import load_rows
+    from learnroute.runs import atomic_write
+
+    folder = Path(folder)
+    config = from_dict(StudyConfig, yaml.safe_load((folder / "config.yaml").read_text()) or {})
+    main = f"learned_{_safe(config.main_variant)}"
+    result: dict[str, Any] = {"schema": "learnroute.study/1", "config": to_dict(config), "protocols": {}}
+    for protocol in config.protocols:
+        bench = folder / f"bench_{protocol}"
+        if not (bench / "results.jsonl").is_file():
+            continue
+        rows = load_rows(bench, rescore=rescore)
+        for r in rows:
+            r["route"] = _label(r["route"])
+        full_by_task: dict[str, list[float]] = {}
+        for r in rows:
+            if r["route"] == "full":
+                full_by_task.setdefault(r["task"], []).append(float(r["score"]))
+        full_task = {t: mean(v) for t, v in full_by_task.items()}
+        valid = {t for t, s in full_task.items() if s >= VALID_FULL}
+        all_tasks = not valid  # no task qualifies (e.g. a tiny random model): use them all, and say so
+        valid = valid or set(full_task)
+        scores = _scores(rows, valid)
+        full = next((v for (route, _), v in scores.items() if route == "full"), {})
+        routes = sorted({route for route, _ in scores})
+        per_budget = []
+        for b in config.budgets:
+            bk = json.dumps(b)
+            avg = {route: mean(scores[(route, bk)].values()) for route in routes if (route, bk) in scores}
+            homog = {r: s for r, s in avg.items() if r.startswith("homogeneous:")}
+            best_h = max(homog, key=homog.get) if homog else None
+            entry: dict[str, Any] = {"budget": b, "avg": avg, "full": mean(full.values()) if full else None}
+            entry["best_homogeneous"] = best_h
+            if main in avg and best_h:
+                m = scores[(main, bk)]
+                entry["q1_vs_best_homogeneous"] = paired(m, scores[(best_h, bk)], config.bootstrap)
+                for p in ("profile", "profile_alloc"):
+                    if (p, bk) in scores:
+                        entry[f"q2_vs_{p}"] = paired(m, scores[(p, bk)], config.bootstrap)
+                # Q3: tasks where the learned route beats the best homogeneous route
+                wins = ties = losses = 0
+                for t in sorted(valid):
+                    lt = [r["score"] for r in rows if r["task"] == t and r["route"] == main and json.dumps(r["budget"]) == bk]
+                    ht = [r["score"] for r in rows if r["task"] == t and r["route"] == best_h and json.dumps(r["budget"]) == bk]
+                    if lt and ht:
+                        d = mean(lt) - mean(ht)
+                        wins, ties, losses = wins + (d > 0), ties + (d == 0), losses + (d < 0)
+                entry["q3_tasks"] = {"wins": wins, "ties": ties, "losses": losses, "tasks": len(valid)}
+                f, h, lv = entry["full"], avg[best_h], avg[main]
+                entry["q5_gap_recovered"] = (lv - h) / (f - h) if f is not None and f > h else None
+                entry["q6_variants"] = {
+                    r: paired(scores[(r, bk)], m, config.bootstrap)
+                    for r in routes
+                    if r.startswith("learned_") and r != main and (r, bk) in scores
+                }
+                entry["best_homogeneous_rel_full"] = h / f if f else None
+            per_budget.append(entry)
+        result["protocols"][protocol] = {
+            "valid_tasks": sorted(valid),
+            "left_out_tasks": sorted(set(full_task) - valid),
+            "no_task_qualifies": all_tasks,
+            "full_by_task": full_task,
+            "n_eval_samples": len(full),
+            "budgets": per_budget,
+        }
+    placement = folder / "placement" / "placement.json"
+    if placement.is_file():
+        p = json.loads(placement.read_text())
+        result["q4_placement"] = {k: p[k] for k in ("rank", "of", "ties", "given_score", "better_than_fraction")}
+    atomic_write(folder / "study.json", json.dumps(result, indent=1) + "\n")
+    atomic_write(folder / "study.md", to_markdown(result, main))
+    return result
+
+
+def _ci(c: dict | None) -> str:
+    if not c or c.get("diff") is None:
+        return "n/a"
+    return f"{100 * c['diff']:+.1f} [{100 * c['lo']:+.1f}, {100 * c['hi']:+.1f}] {c['verdict']}"
+
+
+def to_markdown(result: dict[str, Any], main: str) -> str:
+    """The answers to questions 1-7 as tables (scores x100, paired 95 % intervals)."""
+    lines = ["# Study results", ""]
+    for protocol, res in result["protocols"].items():
+        lines += [
+            f"## Protocol: query-{protocol}",
+            "",
+            f"{res['n_eval_samples']} eval samples on the tasks the full cache solves (>= {100 * VALID_FULL:.0f}): "
+            f"{', '.join(res['valid_tasks'])}; left out: {', '.join(res['left_out_tasks']) or 'none'}. "
+            "Differences are paired over the same samples, with a bootstrap 95 % interval; "
+            "'tie' when it holds 0."
+            + (" **No task reaches the threshold with the full cache: averages use every task.**"
+               if res.get("no_task_qualifies") else ""),
+            "",
+            "| budget | full | best homogeneous | profile | profile_alloc | learned | "
+            "Q1 learned - best homog. | Q2 - profile | Q2 - profile_alloc | Q3 task wins/ties/losses | Q5 gap recovered |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for e in res["budgets"]:
+            avg = e["avg"]
+            fmt = lambda r: f"{100 * avg[r]:.1f}" if r in avg else "n/a"  # noqa: E731
+            q3 = e.get("q3_tasks")
+            gap = e.get("q5_gap_recovered")
+            lines.append(
+                f"| {e['budget']} | {100 * e['full']:.1f} | {fmt(e['best_homogeneous'])} ({e['best_homogeneous']}) | "
+                f"{fmt('profile')} | {fmt('profile_alloc')} | {fmt(main)} | {_ci(e.get('q1_vs_best_homogeneous'))} | "
+                f"{_ci(e.get('q2_vs_profile'))} | {_ci(e.get('q2_vs_profile_alloc'))} | "
+                + (f"{q3['wins']}/{q3['ties']}/{q3['losses']} of {q3['tasks']}" if q3 else "n/a")
+                + f" | {'n/a' if gap is None else f'{100 * gap:.0f} %'} |"
+            )
+        lines += ["", "Every route's average (x100) per budget:", ""]
+        routes = sorted({r for e in res["budgets"] for r in e["avg"]})
+        lines.append("| route | " + " | ".join(str(e["budget"]) for e in res["budgets"]) + " |")
+        lines.append("|---|" + "---|" * len(res["budgets"]))
+        for r in routes:
+            cells = [f"{100 * e['avg'][r]:.1f}" if r in e["avg"] else "" for e in res["budgets"]]
+            lines.append(f"| {r} | " + " | ".join(cells) + " |")
+        variants = sorted({v for e in res["budgets"] for v in e.get("q6_variants", {})})
+        if variants:
+            lines += ["", f"Q6, each variant minus `{main}` (paired, x100):", ""]
+            lines.append("| variant | " + " | ".join(str(e["budget"]) for e in res["budgets"]) + " |")
+            lines.append("|---|" + "---|" * len(res["budgets"]))
+            for v in variants:
+                lines.append(f"| {v} | " + " | ".join(_ci(e.get("q6_variants", {}).get(v)) for e in res["budgets"]) + " |")
+        lines.append("")
+    if "q4_placement" in result:
+        p = result["q4_placement"]
+        lines += [
+            "## Q4: placement",
+            "",
+            f"The learned route ranks **{p['rank']} of {p['of']}** among random placements of its methods "
+            f"({p['ties']} tie with it; better than {100 * p['better_than_fraction']:.0f} %).",
+            "",
+        ]
+    return "\n".join(lines)
+
+
+def summary_table(result: dict[str, Any]) -> str:
+    """The short table ``make run`` prints: questions 1-5 per protocol and budget."""
+    lines = ["| protocol | budget | Q1 vs best homog. | Q2 vs profile_alloc | Q3 task wins | Q5 gap recovered |",
+             "|---|---|---|---|---|---|"]
+    for protocol, res in result["protocols"].items():
+        for e in res["budgets"]:
+            q3 = e.get("q3_tasks")
+            gap = e.get("q5_gap_recovered")
+            lines.append(
+                f"| {protocol} | {e['budget']} | {_ci(e.get('q1_vs_best_homogeneous'))} | "
+                f"{_ci(e.get('q2_vs_profile_alloc'))} | "
+                + (f"{q3['wins']}/{q3['tasks']}" if q3 else "n/a")
+                + f" | {'n/a' if gap is None else f'{100 * gap:.0f} %'} |"
+            )
+    if "q4_placement" in result:
+        p = result["q4_placement"]
+        lines.append(f"\nQ4: the learned placement ranks {p['rank']} of {p['of']} random placements of its methods.")
+    return "\n".join(lines)

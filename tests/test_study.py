@@ -1,0 +1,103 @@
+"""The study pipeline end to end on a tiny model, then again with nothing to redo."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from learnroute import study as S
+from learnroute.cli import main
+from learnroute.config import ConfigError, load_config
+
+
+def study_config(tmp_path, tiny_dir):
+    cfg = {
+        "model": str(tiny_dir),
+        "context_tokens": 200,
+        "calibration": {"niah_single_1": 2, "niah_multikey": 2},
+        "eval_tasks": {"niah_single_1": 2, "niah_single_2": 2},
+        "budgets": [0.25, 40],
+        "protocols": ["agnostic", "aware"],
+        "methods": ["snapkv", "tova", "knorm"],
+        "pyramid": ["tova"],
+        "train": {"steps": 3, "batch_size": 2, "eval_every": 3, "save_every": 3, "lr": 0.3, "select": "last"},
+        "variants": {
+            "learned": {},
+            "budgets_only": {"learn": "budgets", "init_method": "@profile_best"},
+            "warm": {"init_route": "@profile_alloc", "lr": 0.01},
+        },
+        "mixture_of": ["learned"],
+        "placements": 3,
+        "bootstrap": 200,
+        "max_new_tokens": 3,
+        "output": str(tmp_path / "study"),
+    }
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_study_end_to_end_then_nothing_to_redo(tiny_dir, tmp_path, monkeypatch, capsys):
+    path = study_config(tmp_path, tiny_dir)
+    assert main(["study", "--config", str(path)]) == 0
+    out = tmp_path / "study"
+    assert "| protocol | budget | Q1" in capsys.readouterr().err
+    for sub in ("profile/profile.json", "train/learned/route.json", "train/budgets_only/route.json",
+                "train/warm/route.json", "routes/learned_learned.json", "routes/learned_learned_mixture.json",
+                "bench_agnostic/summary.md", "bench_aware/summary.md", "study.json", "study.md"):
+        assert (out / sub).is_file(), sub
+    result = json.loads((out / "study.json").read_text())
+    for protocol in ("agnostic", "aware"):
+        budgets = result["protocols"][protocol]["budgets"]
+        assert [b["budget"] for b in budgets] == [0.25, 40]
+        for b in budgets:
+            assert b["q1_vs_best_homogeneous"]["n"] == 4  # paired over the 4 eval samples
+            assert set(b["q6_variants"]) == {"learned_budgets_only", "learned_warm", "learned_learned_mixture"}
+    main_route = json.loads((out / "routes" / "learned_learned.json").read_text())
+    if len({layer["method"] for layer in main_route["layers"]}) > 1:
+        assert result["q4_placement"]["of"] == 4
+    else:  # one method everywhere: no other placement exists, and the study says so
+        assert "q4_placement" not in result
+    # the budgets-only variant trained the profile's least damaging method in every layer
+    profile = json.loads((out / "profile" / "profile.json").read_text())
+    budgets_only = json.loads((out / "routes" / "learned_budgets_only.json").read_text())
+    assert len({layer["method"] for layer in budgets_only["layers"]}) == 1
+    assert budgets_only["layers"][0]["method"] in profile["methods"]
+    rows = (out / "bench_agnostic" / "results.jsonl").read_text()
+
+    # Again: every stage is found finished; no prefill, no training step.
+    from learnroute.engine import Engine
+    from learnroute.gates import train as T
+
+    def refuse(*a, **k):
+        raise AssertionError("a finished stage was redone")
+
+    monkeypatch.setattr(Engine, "prefill", refuse)
+    monkeypatch.setattr(T, "run_train", refuse)
+    assert main(["study", "--config", str(path)]) == 0
+    assert (out / "bench_agnostic" / "results.jsonl").read_text() == rows
+    # and the report re-scores the folders to the same answers
+    before = (out / "study.json").read_text()
+    assert main(["report", str(out), "--rescore"]) == 0
+    assert (out / "study.json").read_text() == before
+
+
+def test_paired_bootstrap_verdicts():
+    a = {str(i): 1.0 for i in range(30)}
+    b = {str(i): 0.0 for i in range(30)}
+    assert S.paired(a, b, 500)["verdict"] == "win" and S.paired(b, a, 500)["verdict"] == "loss"
+    c = {str(i): float(i % 2) for i in range(30)}
+    d = {str(i): float((i + 1) % 2) for i in range(30)}
+    r = S.paired(c, d, 500)
+    assert r["verdict"] == "tie" and r["diff"] == 0 and r["lo"] < 0 < r["hi"]
+
+
+def test_bad_study_config_is_one_error(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        load_config(S.StudyConfig, overrides=["protocols=[agnostic, sideways]", "main_variant=nope",
+                                              "variants={learned: {context_tokens: 5}}", "eval_tasks={nosuch: 2}"])
+    msg = str(e.value)
+    for part in ("protocols must be", "main_variant 'nope'", "the study sets those", "unknown task 'nosuch'"):
+        assert part in msg, part
