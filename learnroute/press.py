@@ -13,7 +13,6 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from learnroute import _hf
-from learnroute._hf.attention import _OWN_MASKS_ATTR
 from learnroute.methods.base import Method, keep_indices, resolve_budget
 from learnroute.methods.mixing import mixed_scores
 from learnroute.methods.registry import get_method
@@ -91,36 +90,14 @@ class RoutedPress(BasePress):
         self.route.check_layers(len(_hf.attention_modules(model)))
         self._local = _hf.local_attention_layers(model)
         if self.needs_routed_attention() and not _hf.is_routed(model):
-            switch_to_routed_attention(model)
+            _hf.switch_to_routed_attention(model)
+            logger.info(
+                "RoutedPress: layers keep different cache lengths, so the model now runs attn_implementation %r "
+                "(identical to the stock one when all layers keep the same length); wrap the call in "
+                "`with learnroute.routed_attention(model):` to have the original restored afterwards",
+                _hf.attn_implementation(model),
+            )
         # kvpress's context sets each module's rotary_emb itself; ours goes second so that
         # layer-typed rotaries (Gemma3) get the module's own layer type.
         with super().__call__(model), _hf.rotary_on_attention(model):
             yield
-
-
-def switch_to_routed_attention(model: PreTrainedModel) -> None:
-    """Switch ``model`` to route-aware attention for good (what ``routed_attention``
-    does on entry, without the restore on exit).
-
-    kvpress's pipeline decodes after the press context closes, so a scope opened by the
-    press would end too early. Raises ValueError for attention other than sdpa / eager.
-    """
-    original = _hf.attn_implementation(model)
-    if original not in ("sdpa", "eager"):
-        raise ValueError(
-            f"RoutedPress with per-layer cache lengths needs attn_implementation 'sdpa' or 'eager', got {original!r}"
-        )
-    _hf._set_attn(model, _hf.ROUTED_PREFIX + original)
-    if any(_hf.windowed_layers(model)):
-        # Stock masks take their offsets from layer 0 (a local layer on Gemma3), wrong for
-        # compressed global layers: every layer rebuilds its mask from its own cache.
-        for m in _hf.attention_modules(model):
-            setattr(m, _OWN_MASKS_ATTR, True)
-    logger.info(
-        "RoutedPress: layers keep different cache lengths, so the model now runs attn_implementation %r "
-        "(identical to %r when all layers keep the same length); wrap the call in "
-        "`with learnroute.routed_attention(model):` to have %r restored afterwards",
-        _hf.ROUTED_PREFIX + original,
-        original,
-        original,
-    )

@@ -23,6 +23,7 @@ from learnroute._hf.attention import (
     attn_implementation,
     is_routed,
     routed_attention,
+    switch_to_routed_attention,
 )
 from learnroute._hf.cache import (
     LayerCapture,
@@ -80,6 +81,7 @@ __all__ = [
     "model_type",
     "quiet_loading",
     "rotary_on_attention",
+    "switch_to_routed_attention",
     "text_config",
     "windowed_layers",
 ]

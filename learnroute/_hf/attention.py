@@ -214,3 +214,25 @@ def attention_bias(model: PreTrainedModel, biases: dict[int, torch.Tensor]) -> I
         for m in modules:
             if hasattr(m, _BIAS_ATTR):
                 delattr(m, _BIAS_ATTR)
+
+
+def switch_to_routed_attention(model: PreTrainedModel) -> None:
+    """Switch ``model`` to route-aware attention for good (what :func:`routed_attention`
+    does on entry, without the restore on exit).
+
+    kvpress's pipeline decodes after the press context closes, so a scope opened by a
+    press would end too early. Raises ValueError for attention other than sdpa / eager.
+    """
+    original = attn_implementation(model)
+    if original.startswith(ROUTED_PREFIX):
+        return
+    if original not in ("sdpa", "eager"):
+        raise ValueError(
+            f"RoutedPress with per-layer cache lengths needs attn_implementation 'sdpa' or 'eager', got {original!r}"
+        )
+    _set_attn(model, ROUTED_PREFIX + original)
+    if any(windowed_layers(model)):
+        # Stock masks take their offsets from layer 0 (a local layer on Gemma3), wrong for
+        # compressed global layers: every layer rebuilds its mask from its own cache.
+        for m in attention_modules(model):
+            setattr(m, _OWN_MASKS_ATTR, True)
