@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test install clean bench
+.PHONY: run test test-quick install clean bench demo
 
 $(STAMP): pyproject.toml Makefile
 	@$(PY) -c 'import sys; sys.exit(sys.version_info < (3, 10))' || { echo "learnroute needs Python >= 3.10; $(PY) is older: make PY=python3.x"; exit 1; }
@@ -20,11 +20,20 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
+# The default study end to end (profile, train, export, bench, placement; resumable),
+# then its answers to questions 1-5 as a table.
 run: $(STAMP)
+	$(BIN)/learnroute study --config configs/study/default.yaml
+
+demo: $(STAMP)
 	$(BIN)/learnroute demo
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# Without the tests that run the default model (marked slow).
+test-quick: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/engine.py
