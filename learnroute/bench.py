@@ -17,13 +17,11 @@ from __future__ import annotations
 
 import glob
 import json
-import os
 import sys
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
-from learnroute.config import to_dict
 from learnroute.methods.registry import METHODS
 from learnroute.route import Route, RouteError, budget_problem
 from learnroute.runs import append_jsonl, prepare_folder, read_jsonl, result_key, wandb_run

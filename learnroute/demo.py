@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from learnroute import _hf
 from learnroute.engine import Engine
 from learnroute.methods.base import Budget
-from learnroute.route import Route, budget_problem
+from learnroute.route import Route
+from learnroute.route import parse_budget as route_parse_budget
 
 # RULER's noise haystack sentence block and needle template (background.md §5).
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
@@ -40,20 +41,13 @@ def needle_sample(tokenizer, n_tokens: int, depth: float, seed: int) -> NeedleSa
 
 
 def parse_budget(text: str) -> Budget:
-    """A command-line budget: an integer is tokens per KV head, a decimal a fraction of
-    the context (``128`` keeps 128 tokens, ``0.25`` a quarter), as in route files."""
+    """A command-line budget (see :func:`learnroute.route.parse_budget`), as argparse wants it."""
     import argparse
 
     try:
-        budget: Budget = int(text)
-    except ValueError:
-        try:
-            budget = float(text)
-        except ValueError:
-            budget = text  # type: ignore[assignment]  # budget_problem names what is wrong
-    if (problem := budget_problem(budget)) is not None:
-        raise argparse.ArgumentTypeError(problem)
-    return budget
+        return route_parse_budget(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def describe_budget(budget: Budget) -> str:

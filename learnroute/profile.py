@@ -32,7 +32,7 @@ from learnroute.methods.base import resolve_budget
 from learnroute.methods.registry import METHODS
 from learnroute.route import Route, RouteError, budget_problem
 from learnroute.tasks.ruler import Sample
-from learnroute.tasks.suite import check_tasks, load_tasks
+from learnroute.tasks.suite import calibration_problems, load_tasks
 
 Budget = int | float
 SCHEMA = "learnroute.profile/1"
@@ -70,12 +70,7 @@ class ProfileConfig:
 
     def validate(self) -> list[str]:
         problems = []
-        if not self.tasks:
-            problems.append("the calibration set is empty: give at least one task with a sample count >= 1")
-        problems += [p for p in check_tasks(list(self.tasks), "calibration") if "empty" not in p]
-        for name, n in self.tasks.items():
-            if n < 1:
-                problems.append(f"tasks.{name}: sample count must be >= 1, got {n}")
+        problems += calibration_problems(self.tasks)
         if not self.budgets:
             problems.append("budgets is empty")
         for b in self.budgets:

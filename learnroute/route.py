@@ -41,6 +41,22 @@ def budget_problem(budget: Any) -> str | None:
     return None
 
 
+def parse_budget(text: str) -> Budget:
+    """A budget typed on a command line: an integer is tokens per KV head, a decimal a
+    fraction of the context (``128`` keeps 128 tokens, ``0.25`` a quarter), as in route
+    files. Raises ValueError saying what is valid."""
+    try:
+        budget: Any = int(text)
+    except ValueError:
+        try:
+            budget = float(text)
+        except ValueError:
+            budget = text  # budget_problem names what is wrong
+    if (problem := budget_problem(budget)) is not None:
+        raise ValueError(problem)
+    return budget
+
+
 @dataclass(frozen=True)
 class LayerRoute:
     """One layer's entry: a registered method name and a budget.

@@ -81,6 +81,7 @@ __all__ = [
     "model_type",
     "quiet_loading",
     "rotary_on_attention",
+    "routed_attention",
     "switch_to_routed_attention",
     "text_config",
     "windowed_layers",

@@ -8,7 +8,7 @@ import yaml
 
 from learnroute.config import ConfigError, from_dict
 from learnroute.gates.train import TrainConfig, export_route, load_gates
-from learnroute.route import Budget, Route, budget_problem
+from learnroute.route import Route, parse_budget
 
 
 def resolve_source(source: str | Path) -> tuple[Path, Path]:
@@ -29,22 +29,6 @@ def resolve_source(source: str | Path) -> tuple[Path, Path]:
     return src, run
 
 
-def parse_budget(text: str | None) -> Budget | None:
-    """``"128"`` -> 128 tokens per KV head, ``"0.1"`` -> a fraction (as everywhere else)."""
-    if text is None:
-        return None
-    try:
-        value: Budget = int(text)
-    except ValueError:
-        try:
-            value = float(text)
-        except ValueError:
-            raise ValueError(f"--budget {text!r} is neither an int (tokens per KV head) nor a fraction") from None
-    if (p := budget_problem(value)) is not None:
-        raise ValueError(f"--budget: {p}")
-    return value
-
-
 def export_cli(
     source: str | Path,
     out: str | Path,
@@ -60,7 +44,7 @@ def export_cli(
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{cfg_path} not found: a checkpoint must sit in its train run folder")
     config = from_dict(TrainConfig, yaml.safe_load(cfg_path.read_text()) or {})
-    b = parse_budget(budget)
+    b = None if budget is None else parse_budget(budget)
     if temperature is not None and not temperature > 0:
         raise ValueError(f"--temperature must be > 0, got {temperature}")
     tensors, meta = load_gates(ckpt, model=model, methods=config.methods)

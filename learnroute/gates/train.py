@@ -44,7 +44,7 @@ from learnroute.gates.gates import LEARN, MIXING, Gates
 from learnroute.gates.topk import RELAXATIONS
 from learnroute.methods.registry import METHODS
 from learnroute.route import Route, RouteError, budget_problem
-from learnroute.tasks.suite import check_tasks
+from learnroute.tasks.suite import calibration_problems
 
 Budget = int | float
 CANDIDATES = ["snapkv", "streaming_llm", "h2o", "tova", "knorm", "expected_attention", "keydiff", "lava"]
@@ -120,12 +120,7 @@ class TrainConfig:
     def validate(self) -> list[str]:
         """Problems that need no model."""
         problems = []
-        if not self.tasks:
-            problems.append("the calibration set is empty: give at least one task with a sample count >= 1")
-        problems += [p for p in check_tasks(list(self.tasks), "calibration") if "empty" not in p]
-        for name, n in self.tasks.items():
-            if n < 1:
-                problems.append(f"tasks.{name}: sample count must be >= 1, got {n}")
+        problems += calibration_problems(self.tasks)
         candidates = [m for m in METHODS if m != "full" and not METHODS[m].budget_dependent]
         if len(self.methods) < 1:
             problems.append("methods is empty; candidates: " + ", ".join(candidates))

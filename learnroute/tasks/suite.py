@@ -80,3 +80,15 @@ def load_task(
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; valid: {', '.join(task_names())}")
     return make_samples(name, tokenizer, n, n_tokens, split, seed)
+
+
+def calibration_problems(tasks: dict[str, int], where: str = "tasks") -> list[str]:
+    """Problems with a calibration set ``{task: count}`` (profile, training, study)."""
+    problems = []
+    if not tasks:
+        problems.append("the calibration set is empty: give at least one task with a sample count >= 1")
+    problems += [p for p in check_tasks(list(tasks), "calibration") if "empty" not in p]
+    for name, n in tasks.items():
+        if n < 1:
+            problems.append(f"{where}.{name}: sample count must be >= 1, got {n}")
+    return problems
