@@ -165,6 +165,12 @@ def _safe(name: str) -> str:
     return name.replace("/", "_").replace("@", "_at_")
 
 
+def route_name(variant: str) -> str:
+    """The exported route's file stem (and its name in the tables) for a variant."""
+    name = _safe(variant)
+    return name if name == "learned" or name.startswith("learned_") else f"learned_{name}"
+
+
 # ---------------------------------------------------------------------------- the run
 
 
@@ -205,13 +211,13 @@ def run_study(config: StudyConfig, overwrite: bool = False) -> Path:
     routes.mkdir(exist_ok=True)
     for name, data in config.variant_configs(out).items():
         run = Path(data["output"])
-        export_cli(run, routes / f"learned_{_safe(name)}.json")
+        export_cli(run, routes / f"{route_name(name)}.json")
         if name in config.mixture_of:
-            export_cli(run, routes / f"learned_{_safe(name)}_mixture.json", mixture=True)
+            export_cli(run, routes / f"{route_name(name)}_mixture.json", mixture=True)
     # 4. bench on eval samples, per protocol
     specs = ["full"] + [f"homogeneous:{m}" for m in config.methods] + [f"pyramid:{m}" for m in config.pyramid]
     specs += [str(out / "profile" / f"profile_{pb}.json"), str(out / "profile" / f"profile_{pb}_alloc.json")]
-    specs += [str(routes / "learned_*.json")]
+    specs += [str(routes / "learned*.json")]
     for protocol in config.protocols:
         log(f"stage 4/5: bench ({protocol}) on eval samples")
         run_bench(
@@ -233,7 +239,7 @@ def run_study(config: StudyConfig, overwrite: bool = False) -> Path:
         from learnroute.bench import rescale
 
         b = config.placement_budget if config.placement_budget is not None else config.budgets[0]
-        main = Route.from_file(routes / f"learned_{_safe(config.main_variant)}.json")
+        main = Route.from_file(routes / f"{route_name(config.main_variant)}.json")
         given = out / "placement_route.json"
         new = rescale(main, b)
         if not given.is_file() or Route.from_file(given).to_dict() != new.to_dict():
@@ -290,7 +296,7 @@ def _scores(rows: list[dict], tasks: set[str]) -> dict[tuple[str, str], dict[str
 
 
 def _label(route: str) -> str:
-    """Short names for route files: learned_<v>, profile, profile_alloc."""
+    """Short names for route files: learned[_<v>], profile, profile_alloc."""
     stem = Path(route).stem
     if stem.startswith("profile_"):
         return "profile_alloc" if stem.endswith("_alloc") else "profile"
@@ -306,7 +312,7 @@ def analyze(folder: str | Path, rescore: bool = False) -> dict[str, Any]:
 
     folder = Path(folder)
     config = from_dict(StudyConfig, yaml.safe_load((folder / "config.yaml").read_text()) or {})
-    main = f"learned_{_safe(config.main_variant)}"
+    main = route_name(config.main_variant)
     result: dict[str, Any] = {"schema": "learnroute.study/1", "config": to_dict(config), "protocols": {}}
     for protocol in config.protocols:
         bench = folder / f"bench_{protocol}"
@@ -354,7 +360,7 @@ def analyze(folder: str | Path, rescore: bool = False) -> dict[str, Any]:
                 entry["q6_variants"] = {
                     r: paired(scores[(r, bk)], m, config.bootstrap)
                     for r in routes
-                    if r.startswith("learned_") and r != main and (r, bk) in scores
+                    if r.startswith("learned") and r != main and (r, bk) in scores
                 }
                 entry["best_homogeneous_rel_full"] = h / f if f else None
             per_budget.append(entry)
@@ -372,7 +378,78 @@ def analyze(folder: str | Path, rescore: bool = False) -> dict[str, Any]:
         result["q4_placement"] = {k: p[k] for k in ("rank", "of", "ties", "given_score", "better_than_fraction")}
     atomic_write(folder / "study.json", json.dumps(result, indent=1) + "\n")
     atomic_write(folder / "study.md", to_markdown(result, main))
+    plot_scores(result, main, folder / "scores.png")
+    routes_file = folder / "routes" / f"{main}.json"
+    profile_alloc = sorted((folder / "profile").glob("profile_*_alloc.json"))
+    if routes_file.is_file() and profile_alloc:
+        plot_routes(Route.from_file(routes_file), Route.from_file(profile_alloc[0]), folder / "routes.png")
     return result
+
+
+def plot_scores(result: dict[str, Any], main: str, path: Path) -> None:
+    """Average score vs budget per protocol: full cache, best homogeneous (per budget),
+    profile, profile_alloc, the learned route and its variants."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    protocols = list(result["protocols"].items())
+    if not protocols:
+        return
+    fig, axes = plt.subplots(1, len(protocols), figsize=(5.5 * len(protocols), 4), squeeze=False)
+    for ax, (protocol, res) in zip(axes[0], protocols):
+        budgets = [e["budget"] for e in res["budgets"]]
+        x = list(range(len(budgets)))
+        full = res["budgets"][0]["full"] if res["budgets"] else None
+        if full is not None:
+            ax.axhline(100 * full, color="black", ls="--", lw=1, label="full cache")
+        best = [100 * e["avg"].get(e["best_homogeneous"], float("nan")) for e in res["budgets"]]
+        ax.plot(x, best, "o-", color="gray", label="best homogeneous (per budget)")
+        styles = {"profile": ("tab:orange", ":"), "profile_alloc": ("tab:orange", "-"), main: ("tab:red", "-")}
+        routes = ["profile", "profile_alloc", main] + sorted(
+            {r for e in res["budgets"] for r in e["avg"] if r.startswith("learned") and r != main}
+        )
+        for r in routes:
+            ys = [100 * e["avg"].get(r, float("nan")) for e in res["budgets"]]
+            color, ls = styles.get(r, (None, "--"))
+            ax.plot(x, ys, marker="o", ls=ls, color=color, lw=2.5 if r == main else 1.2, label=r, alpha=1 if r in styles else 0.6)
+        ax.set_xticks(x, [str(b) for b in budgets])
+        ax.set_xlabel("budget (mean kept per layer)")
+        ax.set_ylabel(f"average score x100 ({res['n_eval_samples']} eval samples)")
+        ax.set_title(f"query-{protocol}", fontsize=10)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_routes(learned: Route, profile: Route, path: Path) -> None:
+    """Per layer: the learned route's method next to the profile's choice, and the learned
+    budgets next to the profile's sensitivity-allocated ones (as multiples of the mean)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = sorted(set(learned.methods) | set(profile.methods))
+    L = learned.n_layers
+    fig, (a1, a2) = plt.subplots(2, 1, figsize=(max(6, 0.3 * L), 6), sharex=True)
+    a1.scatter(range(L), [methods.index(m) for m in profile.methods], s=80, facecolors="none", edgecolors="tab:orange", label="profile")
+    a1.scatter(range(L), [methods.index(m) for m in learned.methods], s=20, color="tab:red", label="learned")
+    a1.set_yticks(range(len(methods)), methods, fontsize=8)
+    a1.legend(fontsize=7)
+    a1.set_title("method per layer", fontsize=9)
+    for route, color, label, off in ((profile, "tab:orange", "profile_alloc", -0.2), (learned, "tab:red", "learned", 0.2)):
+        mean_b = sum(route.budgets) / L
+        a2.bar([i + off for i in range(L)], [b / mean_b for b in route.budgets], width=0.4, color=color, label=label)
+    a2.axhline(1.0, color="gray", ls="--", lw=1)
+    a2.set_ylabel("budget / mean")
+    a2.set_xlabel("layer")
+    a2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def _ci(c: dict | None) -> str:

@@ -45,7 +45,7 @@ def test_study_end_to_end_then_nothing_to_redo(tiny_dir, tmp_path, monkeypatch, 
     out = tmp_path / "study"
     assert "| protocol | budget | Q1" in capsys.readouterr().err
     for sub in ("profile/profile.json", "train/learned/route.json", "train/budgets_only/route.json",
-                "train/warm/route.json", "routes/learned_learned.json", "routes/learned_learned_mixture.json",
+                "train/warm/route.json", "routes/learned.json", "routes/learned_mixture.json",
                 "bench_agnostic/summary.md", "bench_aware/summary.md", "study.json", "study.md"):
         assert (out / sub).is_file(), sub
     result = json.loads((out / "study.json").read_text())
@@ -54,8 +54,8 @@ def test_study_end_to_end_then_nothing_to_redo(tiny_dir, tmp_path, monkeypatch, 
         assert [b["budget"] for b in budgets] == [0.25, 40]
         for b in budgets:
             assert b["q1_vs_best_homogeneous"]["n"] == 4  # paired over the 4 eval samples
-            assert set(b["q6_variants"]) == {"learned_budgets_only", "learned_warm", "learned_learned_mixture"}
-    main_route = json.loads((out / "routes" / "learned_learned.json").read_text())
+            assert set(b["q6_variants"]) == {"learned_budgets_only", "learned_warm", "learned_mixture"}
+    main_route = json.loads((out / "routes" / "learned.json").read_text())
     if len({layer["method"] for layer in main_route["layers"]}) > 1:
         assert result["q4_placement"]["of"] == 4
     else:  # one method everywhere: no other placement exists, and the study says so
