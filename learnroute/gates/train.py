@@ -157,6 +157,10 @@ class TrainConfig:
             problems.append(f"lr must be > 0, got {self.lr}")
         if not 0.0 <= self.val_fraction < 1.0:
             problems.append(f"val_fraction must be in [0, 1), got {self.val_fraction}")
+        elif self.tasks and sum(self.tasks.values()) - round(self.val_fraction * sum(self.tasks.values())) < 1:
+            problems.append(
+                f"val_fraction={self.val_fraction} of {sum(self.tasks.values())} calibration samples leaves none to train on"
+            )
         if not 0.0 <= self.straight_through <= 1.0:
             problems.append(f"straight_through must be in [0, 1], got {self.straight_through}")
         if not 0.0 <= self.budget_floor < 1.0:
@@ -437,7 +441,7 @@ def run_train(config: TrainConfig, overwrite: bool = False, progress: bool = Tru
     name = model_name(model)
     engine = Engine(model, tokenizer, query_aware=config.query_aware)
     n_layers = engine.n_layers
-    gates = build_gates(config, n_layers, [True] * n_layers)  # free layers are known after a prefill
+    _init_from(config, n_layers)  # a warm-start route for another layer count fails here, before any prefill
 
     pairs = load_tasks(config.tasks, tokenizer, config.context_tokens, "calibration", config.seed)
     if any(s.split != "calibration" for _, s in pairs):  # a programming error, never user input
@@ -445,8 +449,6 @@ def run_train(config: TrainConfig, overwrite: bool = False, progress: bool = Tru
     order = list(range(len(pairs)))
     random.Random(config.seed).shuffle(order)
     n_val = int(round(config.val_fraction * len(pairs)))
-    if config.val_fraction > 0 and len(pairs) - n_val < 1:
-        raise ConfigError(f"val_fraction={config.val_fraction} leaves no training samples of {len(pairs)}")
     val_idx, train_idx = sorted(order[:n_val]), sorted(order[n_val:])
     if acc.is_main_process:
         atomic_write(
