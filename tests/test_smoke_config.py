@@ -45,3 +45,16 @@ def test_profile_and_placement_configs_are_valid(tmp_path):
     Route.homogeneous("snapkv", 30, 128).to_file(tmp_path / "r.json")
     for path in sorted((CONFIGS.parent / "placement").glob("*.yaml")):
         load_config(PlacementConfig, path, [f"route={tmp_path / 'r.json'}"])
+
+
+def test_train_and_study_configs_are_valid():
+    """Every shipped train and study config loads (no model is run)."""
+    from learnroute.gates.train import TrainConfig
+    from learnroute.study import StudyConfig
+
+    root = CONFIGS.parent
+    for cls, folder in ((TrainConfig, "train"), (StudyConfig, "study")):
+        paths = sorted((root / folder).glob("*.yaml"))
+        assert paths, folder
+        for path in paths:
+            load_config(cls, path)
