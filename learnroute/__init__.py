@@ -1,6 +1,7 @@
 """learnroute: layer-wise routing of KV-cache eviction methods in HuggingFace LLMs."""
 
 from learnroute._hf import attention_bias, routed_attention
+from learnroute.adapter import Adapter, AdapterError, adapter_scope
 from learnroute.engine import Engine, Prefill, Prompt, RouteResult, build_prompt
 from learnroute.methods import ALLOCATORS, METHODS, Method, allocate, get_method, method_names
 from learnroute.models import DEFAULT_MODEL, load_model, model_name, tiny_llama
@@ -11,6 +12,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ALLOCATORS",
+    "Adapter",
+    "AdapterError",
     "DEFAULT_MODEL",
     "METHODS",
     "Engine",
@@ -22,6 +25,7 @@ __all__ = [
     "RouteError",
     "RouteResult",
     "RoutedPress",
+    "adapter_scope",
     "allocate",
     "attention_bias",
     "build_prompt",

@@ -114,9 +114,12 @@ def route_spec_problems(spec: str) -> list[str]:
     problems = []
     for p in paths:
         try:
-            Route.from_file(p)
+            route = Route.from_file(p)
         except RouteError as e:
             problems.append(str(e))
+            continue
+        if route.adapter_path is not None and not route.adapter_path.is_dir():
+            problems.append(f"route file {p} names adapter folder {route.adapter_path}, which does not exist")
     return problems
 
 
@@ -135,7 +138,9 @@ def rescale(route: Route, budget: Budget) -> Route:
         budgets = [max(1, round(budget * s)) for s in shares]
     prov = {**route.provenance, "rescaled_to": budget}
     mixtures = [None if e.mixture is None else dict(e.mixture) for e in route.layers]
-    return Route.from_layers(route.methods, budgets, model=route.model, mixtures=mixtures, **prov)
+    out = Route.from_layers(route.methods, budgets, model=route.model, mixtures=mixtures, **prov)
+    out.adapter_path = route.adapter_path  # a route's adapter decodes with it at every budget
+    return out
 
 
 def nominal_budget(route: Route) -> Budget:
@@ -231,6 +236,7 @@ def run_bench(config: BenchConfig, overwrite: bool = False) -> Path:
     done = {result_key(r) for r in read_jsonl(out / "results.jsonl")}
     mine = samples[rank::world]
     engine = Engine(model, tokenizer, query_aware=config.query_aware, max_batch=config.max_batch)
+    engine.check_routes([c.route for c in cells])  # adapters named by route files fit the model, before any forward
     newline_id = tokenizer.encode("\n", add_special_tokens=False)[-1]  # as LongBench's pred.py takes it
     wb = wandb_run(config, out) if config.wandb and state.is_main_process else None
     warned: set[tuple] = set()

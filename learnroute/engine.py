@@ -5,18 +5,25 @@ per layer; scores for every method from that capture; then, for each route, a ph
 compressed cache (layers keep different token counts) and greedy decoding of the
 question with the original positions. Routes whose per-layer kept counts agree decode
 together as one batch, so R routes cost one prefill plus about R / batch decodes.
+
+A route may name a decode-time LoRA adapter (:mod:`learnroute.adapter`): the prefill runs
+with every adapter off (the cache is the base model's), the route's question and answer
+tokens with its adapter on. Routes are batched by (adapter, kept-count shape).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from learnroute import _hf
+from learnroute import adapter as _adapter
 from learnroute.methods.base import Method, keep_indices, resolve_budget
 from learnroute.methods.mixing import mixed_scores
 from learnroute.methods.registry import get_method
@@ -135,6 +142,7 @@ class Engine:
         self.max_batch = max_batch
         self.method_options = method_options or {}
         self._methods: dict[str, Method] = {}
+        self._adapters: dict[Path, _adapter.Adapter] = {}
         self.n_layers = len(_hf.attention_modules(model))
         self._local = _hf.local_attention_layers(model)  # never compressed (Gemma3's local layers)
 
@@ -145,12 +153,27 @@ class Engine:
             self._methods[name] = get_method(name, **self.method_options.get(name, {}))
         return self._methods[name]
 
+    def adapter(self, route: Route) -> _adapter.Adapter | None:
+        """The route's adapter (None without one), loaded once and checked against the model."""
+        if route.adapter_path is None:
+            return None
+        key = route.adapter_path.resolve()
+        if key not in self._adapters:
+            from learnroute.models import model_name
+
+            found = _adapter.Adapter.load(route.adapter_path)
+            found.check(self.model, model_name(self.model))
+            self._adapters[key] = found
+        return self._adapters[key]
+
     def check_routes(self, routes: list[Route], n_tokens: int | None = None) -> None:
-        """Validate routes against the model (and a context length) before any forward."""
+        """Validate routes against the model (and a context length) before any forward;
+        adapters named by routes are loaded and checked against the model."""
         if not routes:
             raise ValueError("no routes to evaluate")
         for route in routes:
             route.check_layers(self.n_layers)
+            self.adapter(route)
             if n_tokens is None:
                 continue
             for name in {m for e in route.layers for m in e.methods}:
@@ -188,7 +211,8 @@ class Engine:
     def prefill(self, prompt: Prompt) -> Prefill:
         """One full-cache forward over the context, capturing every layer."""
         start = time.perf_counter()
-        layers = _hf.capture_prefill(self.model, prompt.context_ids.to(self.model.device))
+        with _adapter.adapters_off(self.model):  # the cache is the base model's, whatever is attached
+            layers = _hf.capture_prefill(self.model, prompt.context_ids.to(self.model.device))
         return Prefill(prompt, layers, time.perf_counter() - start)
 
     @torch.no_grad()
@@ -197,7 +221,9 @@ class Engine:
         m = self.method(method)
         key = (layer, method, n_kept if m.budget_dependent else None)
         if key not in prefill._scores:
-            with _hf.rotary_on_attention(self.model):
+            # Scorers may run the model's projections (SnapKV's window queries): always the
+            # base model's, even when scores are first needed inside an adapter's decode batch.
+            with _hf.rotary_on_attention(self.model), _adapter.adapters_off(self.model):
                 prefill._scores[key] = m.score(prefill.layers[layer], n_kept).float()
         return prefill._scores[key]
 
@@ -400,36 +426,55 @@ class Engine:
         per_row = cap0.keys.shape[1] * (cap0.keys.shape[-1] + cap0.values.shape[-1])  # elements per kept token
         per_token = per_row * cap0.keys.element_size()
         full_bytes = per_token * sum(prefill.layer_tokens)
-        groups: dict[tuple[int, ...], list[int]] = defaultdict(list)
+        # One batch per (adapter, kept-count shape): rows of a batch share the model's weights.
+        groups: dict[tuple[Path | None, tuple[int, ...]], list[int]] = defaultdict(list)
+        adapters: dict[Path | None, _adapter.Adapter | None] = {}
         for i, route in enumerate(routes):
-            groups[tuple(self.kept_counts(route, n, prefill.layer_tokens))].append(i)
+            found = self.adapter(route)
+            key = None if found is None else route.adapter_path.resolve()
+            adapters[key] = found
+            groups[(key, tuple(self.kept_counts(route, n, prefill.layer_tokens)))].append(i)
         results: list[RouteResult | None] = [None] * len(routes)
         max_new = max_new_tokens or self.max_new_tokens
         extra = prefill.prompt.question_ids.shape[1] + max_new  # tokens each layer's cache grows by
         workspace = cap0.keys.new_empty(
-            max(min(len(m), self.max_batch) * per_row * (sum(s) + extra * len(s)) for s, m in groups.items())
+            max(min(len(m), self.max_batch) * per_row * (sum(s) + extra * len(s)) for (_, s), m in groups.items())
         )
-        for shape, members in groups.items():
-            for start in range(0, len(members), self.max_batch):
-                chunk = members[start : start + self.max_batch]
-                t0 = time.perf_counter()
-                cache = self._decode_cache(prefill, [routes[i] for i in chunk], shape, extra, workspace)
-                rows, logits = self._decode(
-                    cache, prefill.prompt.question_ids, n, len(chunk), max_new, tuple(stop_token_ids), min_new_tokens
-                )
-                share = (time.perf_counter() - t0) / len(chunk)
-                for j, (i, toks) in enumerate(zip(chunk, rows)):
-                    results[i] = RouteResult(
-                        route=routes[i],
-                        answer=self.tokenizer.decode(toks, skip_special_tokens=True),
-                        token_ids=toks,
-                        kept_per_layer=list(shape),
-                        kv_bytes=per_token * sum(shape),
-                        full_kv_bytes=full_bytes,
-                        first_logits=logits[j].clone() if keep_logits else None,
-                        seconds=share,
+        needed = [a for a in adapters.values() if a is not None]
+        with _adapter.attached(self.model, needed) if needed else contextlib.nullcontext():
+            for (key, shape), members in groups.items():
+                with _adapter.using(self.model, adapters[key]):
+                    self._answer_group(
+                        prefill, routes, members, shape, extra, workspace, max_new, stop_token_ids, min_new_tokens,
+                        keep_logits, per_token, full_bytes, results,
                     )
         return results  # type: ignore[return-value]
+
+    def _answer_group(
+        self, prefill, routes, members, shape, extra, workspace, max_new, stop_token_ids, min_new_tokens,
+        keep_logits, per_token, full_bytes, results,
+    ) -> None:
+        """Decode routes ``members`` (one kept-count shape, one adapter) in chunks of ``max_batch``."""
+        n = prefill.n_tokens
+        for start in range(0, len(members), self.max_batch):
+            chunk = members[start : start + self.max_batch]
+            t0 = time.perf_counter()
+            cache = self._decode_cache(prefill, [routes[i] for i in chunk], shape, extra, workspace)
+            rows, logits = self._decode(
+                cache, prefill.prompt.question_ids, n, len(chunk), max_new, tuple(stop_token_ids), min_new_tokens
+            )
+            share = (time.perf_counter() - t0) / len(chunk)
+            for j, (i, toks) in enumerate(zip(chunk, rows)):
+                results[i] = RouteResult(
+                    route=routes[i],
+                    answer=self.tokenizer.decode(toks, skip_special_tokens=True),
+                    token_ids=toks,
+                    kept_per_layer=list(shape),
+                    kv_bytes=per_token * sum(shape),
+                    full_kv_bytes=full_bytes,
+                    first_logits=logits[j].clone() if keep_logits else None,
+                    seconds=share,
+                )
 
     def run(
         self, context: str, question: str, routes: list[Route], answer_prefix: str = "", keep_logits: bool = False

@@ -13,6 +13,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from learnroute import _hf
+from learnroute import adapter as _adapter
 from learnroute.methods.base import Method, keep_indices, resolve_budget
 from learnroute.methods.mixing import mixed_scores
 from learnroute.methods.registry import get_method
@@ -40,6 +41,16 @@ class RoutedPress(BasePress):
 
         with learnroute.routed_attention(model):
             pipe(context, question=q, press=RoutedPress(route))
+
+    A route naming an adapter (``provenance["adapter"]``, :mod:`learnroute.adapter`) runs
+    with it: the adapter is attached and off while the press context is open (the
+    prefill: the cache is the base model's), then switched on when it closes, for
+    kvpress's decoding; it stays attached and on afterwards (logged at INFO). A route
+    without adapter switches every attached adapter off. To have the model as it was
+    after the call::
+
+        with learnroute.adapter_scope(model):
+            pipe(context, question=q, press=RoutedPress(route))
     """
 
     route: Route
@@ -48,6 +59,8 @@ class RoutedPress(BasePress):
     def __post_init__(self) -> None:
         names = {m for e in self.route.layers for m in e.methods}  # mixture layers need every component
         self._methods: dict[str, Method] = {name: get_method(name, **self.method_options.get(name, {})) for name in names}
+        # A missing or malformed adapter folder is refused here, before any forward.
+        self._adapter = None if self.route.adapter_path is None else _adapter.Adapter.load(self.route.adapter_path)
 
     def needs_routed_attention(self) -> bool:
         """Can layers end with different cache lengths? (Call inside the press context,
@@ -88,6 +101,10 @@ class RoutedPress(BasePress):
     @contextlib.contextmanager
     def __call__(self, model: PreTrainedModel) -> Generator:
         self.route.check_layers(len(_hf.attention_modules(model)))
+        if self._adapter is not None:
+            from learnroute.models import model_name
+
+            _adapter.attach(model, self._adapter, model_name(model))  # checked against the model first
         self._local = _hf.local_attention_layers(model)
         if self.needs_routed_attention() and not _hf.is_routed(model):
             _hf.switch_to_routed_attention(model)
@@ -99,5 +116,13 @@ class RoutedPress(BasePress):
             )
         # kvpress's context sets each module's rotary_emb itself; ours goes second so that
         # layer-typed rotaries (Gemma3) get the module's own layer type.
-        with super().__call__(model), _hf.rotary_on_attention(model):
+        with super().__call__(model), _hf.rotary_on_attention(model), _adapter.adapters_off(model):
             yield
+        # kvpress decodes after this context: with the route's adapter on (or every one off).
+        _adapter.set_active(model, self._adapter)
+        if self._adapter is not None:
+            logger.info(
+                "RoutedPress: adapter %s is attached and on for decoding; wrap the call in "
+                "`with learnroute.adapter_scope(model):` to have the model as it was afterwards",
+                self.route.adapter_path,
+            )

@@ -8,6 +8,11 @@ JSON form (``schema`` ``learnroute.route/1``)::
 
 A budget is an int >= 1 (tokens per KV head) or a float in (0, 1] (fraction of the
 context, resolved per sample).
+
+``provenance["adapter"]`` (optional) names a decode-time LoRA adapter folder
+(:mod:`learnroute.adapter`) that runs with the route: a path relative to the route file
+(or absolute). Read from a file, it is resolved into :attr:`Route.adapter_path`; written,
+it is stored relative to the file again.
 """
 
 from __future__ import annotations
@@ -103,6 +108,7 @@ class Route:
     layers: list[LayerRoute]
     model: str | None = None
     provenance: dict[str, Any] = field(default_factory=dict)
+    adapter_path: Path | None = None  # the adapter folder that decodes with this route (None: no adapter)
 
     def __post_init__(self) -> None:
         problems = []
@@ -117,6 +123,8 @@ class Route:
                 problems += [f"layer {i}: {p}" for p in mixture_problems(dict(entry.mixture), entry.method)]
         if problems:
             raise RouteError("invalid route:\n  " + "\n  ".join(problems))
+        if self.adapter_path is not None:
+            self.adapter_path = Path(self.adapter_path)
 
     # ------------------------------------------------------------------ constructors
 
@@ -186,7 +194,15 @@ class Route:
     def hardened(self) -> Route:
         """The same route with every mixture layer replaced by its heaviest method."""
         prov = {**self.provenance, "hardened_from_mixture": self.is_mixture}
-        return Route([LayerRoute(e.method, e.budget) for e in self.layers], model=self.model, provenance=prov)
+        layers = [LayerRoute(e.method, e.budget) for e in self.layers]
+        return Route(layers, model=self.model, provenance=prov, adapter_path=self.adapter_path)
+
+    def with_adapter(self, path: str | os.PathLike | None) -> Route:
+        """The same route decoding with the adapter folder ``path`` (None: without adapter)."""
+        prov = {k: v for k, v in self.provenance.items() if k != "adapter"}
+        if path is not None:
+            prov["adapter"] = str(path)
+        return Route(list(self.layers), model=self.model, provenance=prov, adapter_path=path)
 
     def method_counts(self) -> dict[str, int]:
         return dict(Counter(self.methods))
@@ -204,14 +220,23 @@ class Route:
         b = budgets.pop() if len(budgets) == 1 else "var"
         if self.is_mixture:
             return f"mixture[{len(counts)} argmax methods]@{b}"
+        tail = "+adapter" if self.adapter_path is not None else ""
         if len(counts) == 1:
-            return f"{self.methods[0]}@{b}"
+            return f"{self.methods[0]}@{b}{tail}"
         inner = ",".join(f"{m}:{c}" for m, c in sorted(counts.items()))
-        return f"mixed[{inner}]@{b}"
+        return f"mixed[{inner}]@{b}{tail}"
 
     # ------------------------------------------------------------------ JSON
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, base: str | os.PathLike | None = None) -> dict[str, Any]:
+        """The JSON structure; the adapter path is written relative to ``base`` (the
+        folder of the route file) when given."""
+        provenance = dict(self.provenance)
+        if self.adapter_path is not None:
+            where = str(self.adapter_path)
+            if base is not None:
+                where = os.path.relpath(os.path.abspath(self.adapter_path), os.path.abspath(base))
+            provenance["adapter"] = where
         return {
             "schema": SCHEMA,
             "model": self.model,
@@ -221,12 +246,13 @@ class Route:
                 | ({"mixture": dict(e.mixture)} if e.mixture is not None else {})
                 for i, e in enumerate(self.layers)
             ],
-            "provenance": self.provenance,
+            "provenance": provenance,
         }
 
     @classmethod
-    def from_dict(cls, d: Any) -> Route:
-        """Parse the JSON structure; every problem is reported in one error."""
+    def from_dict(cls, d: Any, base: str | os.PathLike | None = None) -> Route:
+        """Parse the JSON structure; every problem is reported in one error. A relative
+        ``provenance["adapter"]`` is resolved against ``base`` (the route file's folder)."""
         if not isinstance(d, dict):
             raise RouteError(f"a route must be a JSON object, got {type(d).__name__}")
         problems = []
@@ -274,11 +300,21 @@ class Route:
         if missing and not problems:
             problems.append(f"missing layers {missing} (n_layers = {n_layers})")
         provenance = d.get("provenance", {})
+        adapter = None
         if not isinstance(provenance, dict):
             problems.append("'provenance' must be an object")
+        elif provenance.get("adapter") is not None:
+            if not isinstance(provenance["adapter"], str) or not provenance["adapter"]:
+                problems.append(f"provenance.adapter must be a folder path, got {provenance['adapter']!r}")
+            else:
+                adapter = Path(provenance["adapter"])
+                if base is not None and not adapter.is_absolute():
+                    adapter = Path(base) / adapter
         if problems:
             raise RouteError("invalid route:\n  " + "\n  ".join(problems))
-        return cls([entries[i] for i in range(n_layers)], model=d.get("model"), provenance=dict(provenance))
+        return cls(
+            [entries[i] for i in range(n_layers)], model=d.get("model"), provenance=dict(provenance), adapter_path=adapter
+        )
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> Route:
@@ -290,7 +326,7 @@ class Route:
         except json.JSONDecodeError as e:
             raise RouteError(f"route file {path} is not valid JSON: {e}") from None
         try:
-            return cls.from_dict(data)
+            return cls.from_dict(data, base=path.parent)
         except RouteError as e:
             raise RouteError(f"{path}: {e}") from None
 
@@ -300,7 +336,7 @@ class Route:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
         with os.fdopen(fd, "w") as f:
-            json.dump(self.to_dict(), f, indent=2)
+            json.dump(self.to_dict(base=path.parent), f, indent=2)
             f.write("\n")
         os.replace(tmp, path)
         return path

@@ -1,4 +1,6 @@
-"""``learnroute export``: a trained gates run (or checkpoint) -> a route file."""
+"""``learnroute export``: a trained gates run (or checkpoint) -> a route file (and, when
+the run trained a decode-time adapter, its peft folder ``<route stem>.adapter`` beside it,
+named in the route's provenance)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ from pathlib import Path
 import yaml
 
 from learnroute.config import ConfigError, from_dict
+from learnroute.gates.cotrain import export_adapter, has_adapter
 from learnroute.gates.train import TrainConfig, export_route, load_gates
 from learnroute.route import Route, parse_budget
 
@@ -54,5 +57,7 @@ def export_cli(
             f"checkpoint gates have shape {tuple(tensors['theta'].shape)}, expected ({n_layers}, {len(config.methods)})"
         )
     route = export_route(ckpt, config, meta["model"], n_layers, budget=b, mixture=mixture, temperature=temperature)
+    if has_adapter(tensors):
+        route = export_adapter(tensors, config, meta["model"], route, out)
     route.to_file(out)
     return route

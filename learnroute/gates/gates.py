@@ -27,7 +27,7 @@ from learnroute.gates.topk import hard_topk_mask, soft_topk
 from learnroute.methods.mixing import mix_ranks
 
 MIXING = ("score", "mask")
-LEARN = ("both", "methods", "budgets")
+LEARN = ("both", "methods", "budgets", "none")  # none: frozen gates (a fixed route; an adapter trains)
 
 
 def round_exact(budgets: list[float], total: int, cap: int) -> list[int]:

@@ -28,6 +28,7 @@ Run folder::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -40,6 +41,7 @@ from typing import Any
 import torch
 
 from learnroute.config import ConfigError, to_dict
+from learnroute.gates import cotrain
 from learnroute.gates.gates import LEARN, MIXING, Gates
 from learnroute.gates.topk import RELAXATIONS
 from learnroute.methods.registry import METHODS
@@ -107,6 +109,16 @@ class TrainConfig:
         default=None, metadata={"help": "one method in every layer to start from (learn=budgets needs this or init_route)"}
     )
     init_logit: float = field(default=4.0, metadata={"help": "logit of a layer's initial method when warm-starting"})
+    # --- decode-time LoRA adapter (learnroute.gates.cotrain); learn=none trains it for a fixed route
+    adapter: bool = field(default=False, metadata={"help": "train a LoRA adapter on question+answer tokens too"})
+    lora_rank: int = field(default=8, metadata={"help": "adapter: LoRA rank"})
+    lora_alpha: float = field(default=16.0, metadata={"help": "adapter: LoRA alpha (scale alpha / rank)"})
+    lora_targets: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        metadata={"help": "adapter: module names to adapt (attention and/or gate_proj, up_proj, down_proj)"},
+    )
+    adapter_lr: float = field(default=1e-3, metadata={"help": "adapter: AdamW learning rate"})
+    # --- end adapter
     eps: float = field(default=1e-6, metadata={"help": "the bias is log(mask + eps)"})
     eval_every: int = field(default=25, metadata={"help": "evaluate the hardened route on validation every N steps"})
     select: str = field(default="best_val", metadata={"help": "best_val: export the best validated step; last"})
@@ -193,6 +205,7 @@ class TrainConfig:
             problems.append(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.context_tokens < 16:
             problems.append(f"context_tokens must be >= 16, got {self.context_tokens}")
+        problems += cotrain.config_problems(self)  # adapter settings, learn=none
         return problems
 
 
@@ -329,13 +342,17 @@ def _meta(config: TrainConfig, model_name: str, n_layers: int) -> dict[str, str]
     }
 
 
-def save_gates(path: Path, gates: Gates, meta: dict[str, str], optimizer=None, extra: dict | None = None) -> None:
+def save_gates(
+    path: Path, gates: Gates, meta: dict[str, str], optimizer=None, extra: dict | None = None, adapter=None
+) -> None:
     """Gates (and AdamW state) as safetensors, written atomically; metadata names the
     model, layer count and method set so a wrong checkpoint is refused on load."""
     from safetensors.torch import save_file
 
     tensors = {"theta": gates.theta.detach().cpu().contiguous(), "beta": gates.beta.detach().cpu().contiguous()}
     tensors["free"] = gates.free.to(torch.int8).cpu()
+    if adapter is not None:  # cotrain.AdapterTraining: LoRA weights (and their AdamW state)
+        tensors.update(adapter.tensors(optimizer))
     if optimizer is not None:
         for name, p in (("theta", gates.theta), ("beta", gates.beta)):
             for key, value in optimizer.state.get(p, {}).items():
@@ -404,6 +421,8 @@ def _init_from(config: TrainConfig, n_layers: int) -> tuple[list[str] | None, li
 
 
 def build_gates(config: TrainConfig, n_layers: int, free: list[bool]) -> Gates:
+    if config.learn == "none":  # frozen at the route: hard masks (an adapter trains)
+        return cotrain.build_fixed_gates(config, None, n_layers, free)
     methods, shares = _init_from(config, n_layers)
     return Gates(
         config.methods,
@@ -457,7 +476,7 @@ def run_train(config: TrainConfig, overwrite: bool = False, progress: bool = Tru
             + "\n",
         )
 
-    with frozen(model):
+    with frozen(model), contextlib.ExitStack() as stack:
         log.info("prefilling %d calibration samples (%d train, %d validation)", len(pairs), len(train_idx), n_val)
         mine = train_idx[rank::world]
         mine_set = set(mine)
@@ -470,11 +489,19 @@ def run_train(config: TrainConfig, overwrite: bool = False, progress: bool = Tru
         gates = build_gates(config, n_layers, free).to(acc.device)
         meta = _meta(config, name, n_layers)
         params = [p for p in (gates.theta, gates.beta) if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+        groups = [{"params": params}] if params else []
+        lora = None
+        if config.adapter:  # on for every question/answer pass from here on; the prefills are done
+            lora = stack.enter_context(cotrain.AdapterTraining(model, config, name).scope())
+            groups.append(lora.param_group(config))
+            params = params + lora.params
+        optimizer = torch.optim.AdamW(groups, lr=config.lr, weight_decay=config.weight_decay)
         start, best = 0, {"step": None, "val": math.inf}
         ckpt = _latest_checkpoint(out / "checkpoints")
         if ckpt is not None:
             start, best = _resume(ckpt, gates, optimizer, name, n_layers, config.methods)
+            if lora is not None:
+                lora.resume(load_gates(ckpt)[0], optimizer)
             log.info("resumed from %s (step %d)", ckpt, start)
         # Rows up to the checkpoint's step are final (evaluations of a step run before its save).
         history = [r for r in read_jsonl(out / "history.jsonl") if r["step"] <= start] if acc.is_main_process else []
@@ -494,7 +521,7 @@ def run_train(config: TrainConfig, overwrite: bool = False, progress: bool = Tru
                 wb.log({"val_ce": val}, step=step)
             if val < best["val"]:
                 best.update(step=step, val=val)
-                save_gates(out / "best.safetensors", gates, meta, extra={"step": step, "val_ce": val})
+                save_gates(out / "best.safetensors", gates, meta, extra={"step": step, "val_ce": val}, adapter=lora)
 
         if start == 0:
             evaluate(0)  # the initial gates (a warm start) compete with every trained step
@@ -525,7 +552,7 @@ def run_train(config: TrainConfig, overwrite: bool = False, progress: bool = Tru
                 )
                 loss, ce = answer_loss(
                     model, item, masks, eps=config.eps, first_token_weight=config.first_token_weight,
-                    ce_weight=config.ce_weight, kl_weight=config.kl_weight,
+                    ce_weight=config.ce_weight, kl_weight=config.kl_weight, hard=getattr(gates, "fixed", False),
                 )
                 if config.entropy_weight > 0 and gates.theta.requires_grad:
                     loss = loss + config.entropy_weight * gates.entropy(temp)
@@ -559,13 +586,15 @@ def run_train(config: TrainConfig, overwrite: bool = False, progress: bool = Tru
             if acc.is_main_process and (done % config.save_every == 0 or done == config.steps):
                 save_gates(
                     out / "checkpoints" / f"step_{done:06d}.safetensors", gates, meta, optimizer,
-                    extra={"step": done, "best": best},
+                    extra={"step": done, "best": best}, adapter=lora,
                 )
         acc.wait_for_everyone()
         if acc.is_main_process:
-            save_gates(out / "gates.safetensors", gates, meta, extra={"step": config.steps})
+            save_gates(out / "gates.safetensors", gates, meta, extra={"step": config.steps}, adapter=lora)
             chosen = out / ("best.safetensors" if config.select == "best_val" and best["step"] is not None else "gates.safetensors")
             route = export_route(chosen, config, name, n_layers)
+            if lora is not None:  # route.json + route.adapter/ side by side
+                route = cotrain.export_adapter(load_gates(chosen)[0], config, name, route, out / "route.json")
             route.to_file(out / "route.json")
             plot_gates(out, chosen, config)
             log.info("exported %s (from %s, validation CE %s)", out / "route.json", chosen.name, best)
@@ -649,6 +678,8 @@ def export_route(
     shape to other budgets. ``mixture`` keeps π at ``temperature`` (default: the final
     training temperature) as per-layer weights.
     """
+    if config.learn == "none":  # the route was fixed: export it (its adapter: cotrain.export_adapter)
+        return cotrain.export_fixed(config, model, n_layers, path, budget)
     gates = gates_from_checkpoint(path, config, model, n_layers)
     budget = config.budgets[0] if budget is None else budget
     free = gates.free.tolist()
