@@ -86,8 +86,8 @@ def main() -> None:
         gates_step(gate_opt)  # warm-up, adapter attached but off (the LoRA layers return the base output)
         A.detach(model, lora.adapter)
         plain, joint, fixed_only = [], [], []  # (wall s, process CPU s) per step
-        clock = lambda: (time.perf_counter(), time.process_time())  # noqa: E731
-        since = lambda t: (time.perf_counter() - t[0], time.process_time() - t[1])  # noqa: E731
+        clock = lambda: (time.perf_counter(), time.process_time())
+        since = lambda t: (time.perf_counter() - t[0], time.process_time() - t[1])
         for _ in range(args.pairs):
             t0 = clock()
             gates_step(gate_opt)  # no adapter in the model at all

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import sys
 import warnings
 from collections.abc import Iterator
@@ -114,7 +113,7 @@ class Adapter:
         if str(getattr(config, "peft_type", "")) not in ("LORA", "PeftType.LORA"):
             raise AdapterError(f"{path} holds a {config.peft_type} adapter; learnroute runs LoRA adapters")
         state = {k.removeprefix(PREFIX): v for k, v in load_file(str(path / WEIGHTS_FILE)).items()}
-        bad = sorted(k for k in state if not (k.endswith(".lora_A.weight") or k.endswith(".lora_B.weight")))
+        bad = sorted(k for k in state if not k.endswith((".lora_A.weight", ".lora_B.weight")))
         if bad or not state:
             what = f"weights other than LoRA A/B matrices ({bad[:3]})" if bad else "no weights"
             raise AdapterError(f"{path / WEIGHTS_FILE} holds {what}")
@@ -232,6 +231,11 @@ def trainable_params(model: nn.Module, adapter: Adapter) -> dict[str, nn.Paramet
     return _lora_params(model, adapter.name)
 
 
+def _names(layer: nn.Module) -> set[str]:
+    """Adapters a LoRA layer holds (its ``lora_A`` ModuleDict's keys)."""
+    return set(getattr(layer, "lora_A", {}).keys())
+
+
 def _snapshot(model: nn.Module):
     layers = _lora_layers(model)
     lora = [p for layer in layers for n, p in layer.named_parameters() if "lora_" in n]
@@ -245,7 +249,7 @@ def _restore(snapshot) -> None:
     layers, grads = snapshot
     for layer, active, disabled in layers:
         layer.enable_adapters(not disabled)
-        layer.set_adapter([a for a in active if a in layer._all_available_adapter_names()] or active)
+        layer.set_adapter([a for a in active if a in _names(layer)] or active)
     for p, flag in grads:
         p.requires_grad_(flag)
 
@@ -316,11 +320,11 @@ def detach(model: nn.Module, adapter: Adapter | str) -> None:
         for child_name, child in list(parent.named_children()):
             if not isinstance(child, BaseTunerLayer):
                 continue
-            if name in child._all_available_adapter_names():
+            if name in _names(child):
                 with warnings.catch_warnings():  # "adapter X was active which is now deleted": intended
                     warnings.simplefilter("ignore")
                     child.delete_adapter(name)
-            if not child._all_available_adapter_names():
+            if not _names(child):
                 setattr(parent, child_name, child.get_base_layer())
     del reg[name]
     if not reg:
@@ -402,7 +406,3 @@ def adapter_scope(model: nn.Module) -> Iterator[None]:
 def attached_names(model: nn.Module) -> list[str]:
     return list(_registry(model))
 
-
-def describe(adapter: Adapter) -> str:
-    c = adapter.config
-    return json.dumps({"r": c.r, "lora_alpha": c.lora_alpha, "target_modules": sorted(c.target_modules)})

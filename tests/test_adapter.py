@@ -302,7 +302,8 @@ def test_exported_adapter_reloads_to_the_training_logits(fixed_run, tiny_dir, tm
 def test_joint_training_resumes_like_an_uninterrupted_run(tiny_dir, tmp_path, monkeypatch):
     """Gates and adapter together (learn=both); interrupted after step 4 and resumed, the
     gates and the adapter end bit-identical to an uninterrupted run."""
-    over = dict(steps=6, batch_size=2, eval_every=3, save_every=2, budgets=[0.25, 40], lora_targets=["q_proj", "v_proj"])
+    over = {"steps": 6, "batch_size": 2, "eval_every": 3, "save_every": 2, "budgets": [0.25, 40],
+            "lora_targets": ["q_proj", "v_proj"]}
     (tmp_path / "a").mkdir()
     assert main(["train", "--config", str(write_config(tmp_path / "a", tiny_dir, **over))]) == 0
     (tmp_path / "b").mkdir()

@@ -118,7 +118,7 @@ class FixedGates(Gates):
 
     def hard_masks(self, ranks: torch.Tensor, mean_k: float) -> torch.Tensor:
         """0/1 keep-masks (L, H, n) of the route (ranks (L, M, H, n))."""
-        L, M, H, n = ranks.shape
+        L, _, H, n = ranks.shape
         scores = mix_ranks(ranks, self.weights.to(ranks.device))  # (L, H, n): one method's ranks, or the mixture's
         k = torch.tensor(self.counts(mean_k, n), device=ranks.device)  # (L,)
         masks = hard_topk_mask(scores, k[:, None].expand(L, H))  # (L, H, n)
