@@ -503,10 +503,11 @@ def run_train(config: TrainConfig, overwrite: bool = False, progress: bool = Tru
             if lora is not None:
                 lora.resume(load_gates(ckpt)[0], optimizer)
             log.info("resumed from %s (step %d)", ckpt, start)
-        # Rows up to the checkpoint's step are final (evaluations of a step run before its save).
-        history = [r for r in read_jsonl(out / "history.jsonl") if r["step"] <= start] if acc.is_main_process else []
-        if acc.is_main_process and ckpt is not None:
-            atomic_write(out / "history.jsonl", "".join(json.dumps(r, sort_keys=True) + "\n" for r in history))
+        # Rows up to the checkpoint's step are final (evaluations of a step run before its save);
+        # a run killed before its first checkpoint starts over, so its rows all go.
+        if acc.is_main_process:
+            kept = [r for r in read_jsonl(out / "history.jsonl") if ckpt is not None and r["step"] <= start]
+            atomic_write(out / "history.jsonl", "".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
         val_items = [items[i] for i in val_idx] if acc.is_main_process else []
         wb = wandb_run(config, out) if config.wandb and acc.is_main_process else None
 
