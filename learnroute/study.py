@@ -141,7 +141,7 @@ class StudyConfig:
             for key in ("init_route", "init_method"):
                 if isinstance(data.get(key), str) and data[key].startswith("@"):
                     data[key] = None if check else self._resolve_token(out, data[key])
-                    if check and key == "init_method" and data.get("learn") == "budgets":
+                    if check and key == "init_method" and data.get("learn") in ("budgets", "none"):
                         data[key] = self.methods[0]  # stands in until the profile exists
             out_cfgs[name] = data
         return out_cfgs

@@ -27,6 +27,7 @@ def study_config(tmp_path, tiny_dir):
             "learned": {},
             "budgets_only": {"learn": "budgets", "init_method": "@profile_best"},
             "warm": {"init_route": "@profile_alloc", "lr": 0.01},
+            "homog_adapter": {"learn": "none", "adapter": True, "init_method": "@profile_best", "lora_rank": 2},
         },
         "mixture_of": ["learned"],
         "placements": 3,
@@ -54,7 +55,9 @@ def test_study_end_to_end_then_nothing_to_redo(tiny_dir, tmp_path, monkeypatch, 
         assert [b["budget"] for b in budgets] == [0.25, 40]
         for b in budgets:
             assert b["q1_vs_best_homogeneous"]["n"] == 4  # paired over the 4 eval samples
-            assert set(b["q6_variants"]) == {"learned_budgets_only", "learned_warm", "learned_mixture"}
+            assert set(b["q6_variants"]) == {
+                "learned_budgets_only", "learned_warm", "learned_mixture", "learned_homog_adapter"
+            }
     main_route = json.loads((out / "routes" / "learned.json").read_text())
     if len({layer["method"] for layer in main_route["layers"]}) > 1:
         assert result["q4_placement"]["of"] == 4
@@ -65,6 +68,10 @@ def test_study_end_to_end_then_nothing_to_redo(tiny_dir, tmp_path, monkeypatch, 
     budgets_only = json.loads((out / "routes" / "learned_budgets_only.json").read_text())
     assert len({layer["method"] for layer in budgets_only["layers"]}) == 1
     assert budgets_only["layers"][0]["method"] in profile["methods"]
+    # the adapter variant: a fixed one-method route with its LoRA folder beside it
+    adapted = json.loads((out / "routes" / "learned_homog_adapter.json").read_text())
+    assert len({layer["method"] for layer in adapted["layers"]}) == 1
+    assert (out / "routes" / adapted["provenance"]["adapter"] / "adapter_config.json").is_file()
     rows = (out / "bench_agnostic" / "results.jsonl").read_text()
 
     # Again: every stage is found finished; no prefill, no training step.
