@@ -432,3 +432,22 @@ def test_mixture_route_in_kvpress_pipeline_equals_the_engine(tiny, tokenizer, sa
         got = pipe(sample.context, question=sample.question, answer_prefix=sample.answer_prefix,
                    press=lr.RoutedPress(route), max_new_tokens=6)["answer"]
     assert got == res.answer
+
+
+def test_budget_scaled_temperature_is_as_sharp_at_small_budgets():
+    """topk_scale=budget: a layer keeping 5 of 1000 tokens keeps them almost fully (the
+    rank-unit temperature smears them over dozens of tokens), and the sums stay exact."""
+    gates = Gates(["tova", "knorm"], [True, True], budget_floor=0.0)
+    with torch.no_grad():
+        gates.beta.copy_(torch.tensor([0.0, 3.0]))  # layer 0 keeps ~5 tokens, layer 1 the rest
+    ranks = torch.stack([torch.randperm(1000).float() / 999 for _ in range(2 * 2 * 3)]).view(2, 2, 3, 1000)
+    k = gates.budgets(50.0, 1000).detach()
+    assert 3 < float(k[0]) < 10
+    top = ranks[0].mean(0).topk(int(k[0]), dim=-1).indices  # (H, k0): what the hard route keeps
+    kept = {}
+    for scale, tau in (("rank", 0.02), ("budget", 0.05)):
+        m = gates.soft_masks(ranks, 50.0, temperature=1.0, tau=tau, tau_scale=scale).detach()
+        torch.testing.assert_close(m.sum(-1), k[:, None].expand(2, 3), rtol=1e-4, atol=1e-4)
+        kept[scale] = float(m[0].gather(-1, top).mean())
+    # rank units smear the few kept tokens; budget units keep them almost whole
+    assert kept["budget"] > 0.9 and kept["rank"] < kept["budget"] - 0.2, kept

@@ -183,20 +183,34 @@ class Gates(nn.Module):
         relaxation: str = "sigmoid",
         gumbel: torch.Generator | None = None,
         straight_through: bool = False,
+        tau_scale: str = "rank",
     ) -> torch.Tensor:
         """Soft keep-masks (L, H, n) from per-method ranks ``ranks`` (L, M, H, n).
 
         Rows of fixed layers are all ones (never compressed). Each free row sums to its
-        layer's budget ``k_l`` (to the relaxation's tolerance).
+        layer's budget ``k_l`` (to the relaxation's tolerance). ``tau`` is in rank units
+        (``tau_scale="rank"``) or in units of the layer's kept fraction ``k_l / n``
+        (``"budget"``): then a layer keeping 5 tokens gets as sharp a mask, relative to
+        what it keeps, as one keeping 500. In rank units a layer keeping 0.5 % of a 1k
+        context with tau = 0.02 spreads its 5 tokens' worth of mask over ~40 tokens at
+        ~0.15 each, so the soft route reads the context far less than its hard route does.
         """
         L, M, H, n = ranks.shape
         pi = self.mixture(temperature, gumbel=gumbel, straight_through=straight_through)  # (L, M)
         k = self.budgets(mean_k, n)  # (L,)
+        if tau_scale == "budget":
+            t = tau * (k.detach() / n).clamp_min(1.0 / n)  # (L,): per-layer temperature in rank units
+        elif tau_scale == "rank":
+            t = torch.full_like(k, float(tau))
+        else:
+            raise ValueError(f"tau_scale must be 'rank' or 'budget', got {tau_scale!r}")
         if mixing == "score":
             mixed = mix_ranks(ranks, pi)  # (L, H, n)
-            masks = soft_topk(relaxation, mixed, k[:, None].expand(L, H), tau)  # (L, H, n)
+            masks = soft_topk(relaxation, mixed, k[:, None].expand(L, H), t[:, None].expand(L, H))  # (L, H, n)
         elif mixing == "mask":
-            per_method = soft_topk(relaxation, ranks, k[:, None, None].expand(L, M, H), tau)  # (L, M, H, n)
+            per_method = soft_topk(
+                relaxation, ranks, k[:, None, None].expand(L, M, H), t[:, None, None].expand(L, M, H)
+            )  # (L, M, H, n)
             masks = torch.einsum("lmhn,lm->lhn", per_method, pi)  # (L, H, n)
         else:
             raise ValueError(f"mixing must be one of {', '.join(MIXING)}, got {mixing!r}")

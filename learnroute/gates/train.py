@@ -88,8 +88,13 @@ class TrainConfig:
         default_factory=lambda: [1.0, 0.05], metadata={"help": "π temperature [start, end], geometric annealing"}
     )
     topk_temperature: list[float] = field(
-        default_factory=lambda: [0.02, 0.002],
-        metadata={"help": "soft top-k temperature [start, end] in rank units (ranks are in [0, 1])"},
+        default_factory=lambda: [0.5, 0.05],
+        metadata={"help": "soft top-k temperature [start, end], in units of topk_scale"},
+    )
+    topk_scale: str = field(
+        default="budget",
+        metadata={"help": "budget: temperature x the layer's kept fraction k_l/n (as sharp at 5 tokens as at 500); "
+                  "rank: in rank units (ranks are in [0, 1])"},
     )
     gumbel: bool = field(default=False, metadata={"help": "Gumbel-softmax gates (noise drawn per step)"})
     entropy_weight: float = field(default=0.0, metadata={"help": "weight of the mean entropy of π (sharpening)"})
@@ -158,6 +163,8 @@ class TrainConfig:
                     f"budgets: {b} tokens per KV head is not below context_tokens ({self.context_tokens}): "
                     "nothing would be evicted"
                 )
+        if self.topk_scale not in ("budget", "rank"):
+            problems.append(f"topk_scale must be 'budget' or 'rank', got {self.topk_scale!r}")
         for name in ("gate_temperature", "topk_temperature"):
             t = getattr(self, name)
             if len(t) != 2 or any(not x > 0 for x in t):
@@ -550,6 +557,7 @@ def run_train(config: TrainConfig, overwrite: bool = False, progress: bool = Tru
                     relaxation=config.relaxation,
                     gumbel=rng if config.gumbel else None,
                     straight_through=step >= st_from,
+                    tau_scale=config.topk_scale,
                 )
                 loss, ce = answer_loss(
                     model, item, masks, eps=config.eps, first_token_weight=config.first_token_weight,
