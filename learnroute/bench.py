@@ -133,7 +133,7 @@ def rescale(route: Route, budget: Budget) -> Route:
     mean = sum(route.budgets) / route.n_layers
     shares = [b / mean for b in route.budgets]
     if isinstance(budget, float):
-        budgets: list[Budget] = [min(1.0, budget * s) for s in shares]
+        budgets: list[Budget] = _capped_shares(shares, budget)
     else:
         budgets = [max(1, round(budget * s)) for s in shares]
     prov = {**route.provenance, "rescaled_to": budget}
@@ -141,6 +141,30 @@ def rescale(route: Route, budget: Budget) -> Route:
     out = Route.from_layers(route.methods, budgets, model=route.model, mixtures=mixtures, **prov)
     out.adapter_path = route.adapter_path  # a route's adapter decodes with it at every budget
     return out
+
+
+def _capped_shares(shares: list[float], budget: float) -> list[float]:
+    """``budget x share`` per layer, capped at the whole context (1.0), what a capped layer
+    cannot use handed to the others in proportion to their shares (water filling), so the
+    route keeps its total ``L x budget`` (the same KV bytes as a uniform route) whenever
+    that fits. Clipping alone lost a quarter of the budget of a profile-allocated route
+    rescaled from 10 % to 20 %."""
+    out = [budget * s for s in shares]
+    capped: set[int] = set()
+    while True:
+        over = [i for i, b in enumerate(out) if i not in capped and b > 1.0]
+        if not over:
+            return out
+        excess = sum(out[i] - 1.0 for i in over)
+        for i in over:
+            out[i] = 1.0
+            capped.add(i)
+        room = sum(shares[i] for i in range(len(out)) if i not in capped)
+        if room <= 0:
+            return out
+        for i in range(len(out)):
+            if i not in capped:
+                out[i] += excess * shares[i] / room
 
 
 def nominal_budget(route: Route) -> Budget:

@@ -151,3 +151,20 @@ def test_sensitivity_allocation_of_fractions_keeps_the_total_floor_and_cap(sens,
         for j in range(len(sens)):
             if sens[i] > sens[j]:
                 assert alloc[i] >= alloc[j] * (1 - 1e-9)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    weights=st.lists(st.floats(0.0, 50.0), min_size=2, max_size=30).filter(lambda w: sum(w) > 1e-3),
+    budget=st.floats(0.01, 0.9),
+)
+def test_rescaled_fraction_routes_keep_their_total(weights, budget):
+    """bench's rescale of a fractional route caps layers at the whole context and hands the
+    excess on, so the route keeps L x budget (clipping alone lost it)."""
+    from learnroute.bench import rescale
+
+    total = sum(weights)
+    route = Route.from_layers(["tova"] * len(weights), [max(1e-6, 0.5 * w / total) for w in weights])
+    out = rescale(route, budget)
+    assert max(out.budgets) <= 1.0 + 1e-12
+    assert sum(out.budgets) == pytest.approx(budget * len(weights), rel=1e-9)
