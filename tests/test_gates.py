@@ -225,6 +225,8 @@ def test_planted_bad_method_is_avoided_in_exactly_its_layers(smol, tmp_path, pla
         val_fraction=0.0,
         straight_through=0.0,
         gate_temperature=[1.0, 1.0],
+        topk_scale="rank",  # sharp masks at half the cache (budget units would start at 0.25 ranks)
+        topk_temperature=[0.02, 0.002],
         tasks={"niah_single_1": 3},
     )
     cfg.write_text(cfg.read_text().replace("model: 'null'", "model: null"))
