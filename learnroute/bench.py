@@ -152,9 +152,9 @@ def _capped_shares(shares: list[float], budget: float) -> list[float]:
     out = [budget * s for s in shares]
     capped: set[int] = set()
     while True:
-        # A layer at 1.0 up to float error is full, not over: nothing to hand on (and the
-        # route stays byte-identical to a plain rescale).
-        over = [i for i, b in enumerate(out) if i not in capped and b > 1.0 + 1e-9]
+        # A layer at 1.0 up to float error (exported learned budgets are float32) is full,
+        # not over: nothing to hand on, and the route stays what a plain rescale gives.
+        over = [i for i, b in enumerate(out) if i not in capped and b > 1.0 + 1e-6]
         if not over:
             return [min(1.0, b) for b in out]
         excess = sum(out[i] - 1.0 for i in over)
