@@ -101,6 +101,34 @@ def answer_text(sample: Sample) -> str:
     return text if not sample.answer_prefix or sample.answer_prefix.endswith((" ", "\n")) else " " + text
 
 
+@dataclass
+class TeacherForcing:
+    """One sample split for teacher forcing: the context prompt, then the question and the
+    reference answer decoded after it at their original positions (profile and gates)."""
+
+    prompt: Any  # learnroute.engine.Prompt
+    answer: torch.Tensor  # (1, a) reference answer ids
+    ids: torch.Tensor  # (1, q + a): question then answer
+    positions: torch.Tensor  # (1, q + a): n .. n + q + a - 1, after the n context tokens
+    keep: slice  # logits at q-1 .. q+a-2 predict the a answer tokens
+
+
+def teacher_forcing(engine, sample: Sample) -> TeacherForcing:
+    """Tokenize ``sample`` like the engine and append its reference answer (on the model's
+    device); an empty answer is refused before any forward."""
+    prompt = engine.encode(
+        sample.context, sample.question, sample.answer_prefix, chat=sample.meta.get("chat_template", True)
+    )
+    device = engine.model.device
+    answer = engine.tokenizer.encode(answer_text(sample), return_tensors="pt", add_special_tokens=False)  # (1, a)
+    if answer.shape[1] == 0:
+        raise ValueError(f"sample {sample.id} has an empty reference answer: nothing to teacher-force")
+    n, q, a = prompt.context_ids.shape[1], prompt.question_ids.shape[1], answer.shape[1]
+    ids = torch.cat([prompt.question_ids, answer], dim=1).to(device)  # (1, q + a)
+    pos = torch.arange(n, n + q + a, device=device).unsqueeze(0)  # (1, q + a)
+    return TeacherForcing(prompt, answer.to(device), ids, pos, slice(q - 1, q + a - 1))
+
+
 @torch.no_grad()
 def sample_damage(engine, sample: Sample, budgets: list[Budget], methods: list[str]) -> dict[str, Any]:
     """Damage matrices of one sample: ``{"kl": {budget: L x M}, "nll": {...}, ...}``.
@@ -110,21 +138,13 @@ def sample_damage(engine, sample: Sample, budgets: list[Budget], methods: list[s
     """
     from learnroute import _hf
 
-    model, tok = engine.model, engine.tokenizer
-    prompt = engine.encode(
-        sample.context, sample.question, sample.answer_prefix, chat=sample.meta.get("chat_template", True)
-    )
-    answer_ids = tok.encode(answer_text(sample), return_tensors="pt", add_special_tokens=False)  # (1, a)
-    if answer_ids.shape[1] == 0:
-        raise ValueError(f"sample {sample.id} has an empty reference answer: nothing to teacher-force")
-    prefill = engine.prefill(prompt)
-    n, q, a = prefill.n_tokens, prompt.question_ids.shape[1], answer_ids.shape[1]
+    model = engine.model
+    tf = teacher_forcing(engine, sample)
+    prefill = engine.prefill(tf.prompt)
+    n, a = prefill.n_tokens, tf.answer.shape[1]
     engine.check_routes([Route.homogeneous(m, engine.n_layers, budgets[0]) for m in methods], n)
-    ids = torch.cat([prompt.question_ids, answer_ids], dim=1)  # (1, t): question + answer
-    pos = torch.arange(n, n + q + a).unsqueeze(0)  # (1, t): original positions after the context
-    # Logits at positions q-1 .. q+a-2 predict the a answer tokens.
-    keep = slice(q - 1, q + a - 1)
-    target = answer_ids[0]  # (a,)
+    ids, pos, keep = tf.ids, tf.positions, tf.keep
+    target = tf.answer[0]  # (a,)
     full_kv = [(c.keys, c.values) for c in prefill.layers]
     inputs: list[torch.Tensor] = []  # every layer's input over question + answer: (1, t, D) each
     logits = _hf.forward_tokens(model, full_kv, ids, pos, keep=keep, record_inputs=inputs)  # (1, a, V)

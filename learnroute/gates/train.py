@@ -242,37 +242,28 @@ def prepare_item(engine, task: str, sample, methods: list[str], with_ref: bool) 
     """Prefill ``sample`` once, rank every method's scores in every compressible layer."""
     from learnroute import _hf
     from learnroute.methods.mixing import rank_normalize
-    from learnroute.profile import answer_text
+    from learnroute.profile import teacher_forcing
 
-    tok = engine.tokenizer
-    device = engine.model.device
-    prompt = engine.encode(
-        sample.context, sample.question, sample.answer_prefix, chat=sample.meta.get("chat_template", True)
-    )
-    answer = tok.encode(answer_text(sample), return_tensors="pt", add_special_tokens=False)  # (1, a)
-    if answer.shape[1] == 0:
-        raise ValueError(f"sample {sample.id} has an empty reference answer: nothing to train on")
+    tf = teacher_forcing(engine, sample)
     with torch.no_grad():
-        prefill = engine.prefill(prompt)
-        n, q, a = prefill.n_tokens, prompt.question_ids.shape[1], answer.shape[1]
+        prefill = engine.prefill(tf.prompt)
+        n = prefill.n_tokens
         engine.check_routes([Route.homogeneous(m, engine.n_layers, 1) for m in methods], n)
         h = prefill.layers[0].keys.shape[1]
-        ranks = torch.zeros(engine.n_layers, len(methods), h, n, device=device)  # (L, M, H_kv, n)
+        ranks = torch.zeros(engine.n_layers, len(methods), h, n, device=engine.model.device)  # (L, M, H_kv, n)
         for layer in range(engine.n_layers):
             if engine.is_fixed(layer, prefill.layer_tokens[layer], n):
                 continue
             for j, m in enumerate(methods):
                 ranks[layer, j] = rank_normalize(engine.scores(prefill, layer, m)[0])  # (H_kv, n)
         kv = [(c.keys, c.values) for c in prefill.layers]
-        ids = torch.cat([prompt.question_ids, answer], dim=1).to(device)  # (1, q + a)
-        pos = torch.arange(n, n + q + a, device=device).unsqueeze(0)  # (1, q + a)
-        keep = slice(q - 1, q + a - 1)
         ref = None
         if with_ref:
-            ref = torch.log_softmax(_hf.forward_tokens(engine.model, kv, ids, pos, keep=keep)[0].float(), -1)
+            logits = _hf.forward_tokens(engine.model, kv, tf.ids, tf.positions, keep=tf.keep)  # (1, a, V)
+            ref = torch.log_softmax(logits[0].float(), -1)  # (a, V)
     # Drop the capture's hidden states and memoised scores: only keys/values are needed.
     del prefill
-    return CalibItem(sample.id, task, kv, ranks, ids, pos, keep, answer[0].to(device), ref)
+    return CalibItem(sample.id, task, kv, ranks, tf.ids, tf.positions, tf.keep, tf.answer[0], ref)
 
 
 # ---------------------------------------------------------------------------- losses
@@ -664,15 +655,18 @@ def _logger(path: Path, is_main: bool) -> logging.Logger:
 # ---------------------------------------------------------------------------- export and plots
 
 
-def gates_from_checkpoint(path: Path, config: TrainConfig, model: str | None, n_layers: int) -> Gates:
-    """Gates rebuilt from a checkpoint (checked against the model, layers and methods)."""
+def gates_from_checkpoint(
+    path: Path, config: TrainConfig, model: str | None, n_layers: int
+) -> tuple[Gates, dict[str, str]]:
+    """Gates rebuilt from a checkpoint (checked against the model, layers and methods),
+    and the checkpoint's metadata."""
     tensors, meta = load_gates(path, model=model, n_layers=n_layers, methods=config.methods)
     free = [bool(x) for x in tensors["free"].tolist()]
     gates = Gates(config.methods, free, learn="both", budget_floor=json.loads(meta.get("budget_floor", "0.05")))
     with torch.no_grad():
         gates.theta.copy_(tensors["theta"])
         gates.beta.copy_(tensors["beta"])
-    return gates
+    return gates, meta
 
 
 def export_route(
@@ -689,7 +683,7 @@ def export_route(
     """
     if config.learn == "none":  # the route was fixed: export it (its adapter: cotrain.export_adapter)
         return cotrain.export_fixed(config, model, n_layers, path, budget)
-    gates = gates_from_checkpoint(path, config, model, n_layers)
+    gates, meta = gates_from_checkpoint(path, config, model, n_layers)
     budget = config.budgets[0] if budget is None else budget
     free = gates.free.tolist()
     if isinstance(budget, float):
@@ -706,10 +700,8 @@ def export_route(
     pi = torch.softmax(gates.theta.detach() / temperature, -1)  # (L, M)
     mixtures = None
     if mixture:
+        # The argmax method's weight is at least 1/M, so every layer keeps its own method.
         mixtures = [{m: float(w) for m, w in zip(config.methods, row) if w > 1e-6} for row in pi.tolist()]
-        mixtures = [mix if mix else {methods[i]: 1.0} for i, mix in enumerate(mixtures)]
-        mixtures = [mix | ({methods[i]: 0.0} if methods[i] not in mix else {}) for i, mix in enumerate(mixtures)]
-    _, meta = load_gates(path)
     prov: dict[str, Any] = {
         "source": "learned",
         "kind": "mixture" if mixture else "hardened",
