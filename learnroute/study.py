@@ -35,6 +35,7 @@ Budget = int | float
 PROTOCOLS = ("agnostic", "aware")
 VALID_FULL = 0.3  # tasks where the full cache scores below this are left out of averages
 # Keys of a variant that the study sets itself (one calibration set, one model, one budget list).
+TOKENS = ("@profile", "@profile_alloc", "@profile_best")  # study files a variant may start from
 STUDY_OWNED = ("model", "tasks", "context_tokens", "seed", "methods", "output", "query_aware")
 
 
@@ -140,15 +141,24 @@ class StudyConfig:
             data.setdefault("budgets", list(self.budgets))
             for key in ("init_route", "init_method"):
                 if isinstance(data.get(key), str) and data[key].startswith("@"):
+                    if data[key] not in TOKENS:
+                        raise ConfigError(
+                            f"variant {name!r}: unknown study token {data[key]!r}; valid: {', '.join(TOKENS)}"
+                        )
                     data[key] = None if check else self._resolve_token(out, data[key])
                     if check and key == "init_method" and data.get("learn") in ("budgets", "none"):
                         data[key] = self.methods[0]  # stands in until the profile exists
             out_cfgs[name] = data
         return out_cfgs
 
+    @property
+    def profiled_budget(self) -> Budget:
+        """The budget the profile measures (its routes are rescaled to the others)."""
+        return self.profile_budget if self.profile_budget is not None else self.budgets[0]
+
     def _resolve_token(self, out: Path, token: str) -> str:
         prof = out / "profile"
-        b = self.profile_budget if self.profile_budget is not None else self.budgets[0]
+        b = self.profiled_budget
         if token == "@profile":
             return str(prof / f"profile_{b}.json")
         if token == "@profile_alloc":
@@ -158,7 +168,7 @@ class StudyConfig:
             damage = profile["damage"][profile["select_by"]][json.dumps(b)]
             means = [mean(row[j] for row in damage) for j in range(len(profile["methods"]))]
             return profile["methods"][min(range(len(means)), key=means.__getitem__)]
-        raise ConfigError(f"unknown study token {token!r}; valid: @profile, @profile_alloc, @profile_best")
+        raise ConfigError(f"unknown study token {token!r}; valid: {', '.join(TOKENS)}")
 
 
 def _safe(name: str) -> str:
@@ -184,7 +194,7 @@ def run_study(config: StudyConfig, overwrite: bool = False) -> Path:
     from learnroute.runs import prepare_folder
 
     out = prepare_folder(config, overwrite, is_main=True)
-    pb = config.profile_budget if config.profile_budget is not None else config.budgets[0]
+    pb = config.profiled_budget
     log = _say
     # 1. profile (calibration samples)
     if not (out / "profile" / "profile.json").is_file():
@@ -201,7 +211,8 @@ def run_study(config: StudyConfig, overwrite: bool = False) -> Path:
             )
         )
     # 2. train every variant (same calibration samples)
-    for name, data in config.variant_configs(out).items():
+    variants = config.variant_configs(out)  # resolves @profile tokens: after the profile
+    for name, data in variants.items():
         tcfg = from_dict(TrainConfig, data)
         if not (Path(tcfg.output) / "route.json").is_file():
             log(f"stage 2/5: train variant {name!r}")
@@ -209,7 +220,7 @@ def run_study(config: StudyConfig, overwrite: bool = False) -> Path:
     # 3. export the routes (cheap; always rewritten from the checkpoints)
     routes = out / "routes"
     routes.mkdir(exist_ok=True)
-    for name, data in config.variant_configs(out).items():
+    for name, data in variants.items():
         run = Path(data["output"])
         export_cli(run, routes / f"{route_name(name)}.json")
         if name in config.mixture_of:

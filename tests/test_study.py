@@ -105,6 +105,8 @@ def test_bad_study_config_is_one_error(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_config(S.StudyConfig, overrides=["protocols=[agnostic, sideways]", "main_variant=nope",
                                               "variants={learned: {context_tokens: 5}}", "eval_tasks={nosuch: 2}"])
+    with pytest.raises(ConfigError, match="unknown study token '@profil'"):
+        load_config(S.StudyConfig, overrides=["variants={learned: {init_route: '@profil'}}"])
     msg = str(e.value)
     for part in ("protocols must be", "main_variant 'nope'", "the study sets those", "unknown task 'nosuch'"):
         assert part in msg, part
