@@ -172,6 +172,21 @@ def test_fixed_layers_have_no_gate_and_keep_everything():
     assert float(gates.shares().detach()[1]) == 0.0
 
 
+def test_init_route_shape_with_init_method(tmp_path):
+    """init_route + init_method: the route's budget shape (its budgets per layer, up to the
+    hardening's rounding) with the one method in every layer."""
+    budgets = [0.02, 0.02, 0.16, 0.2]  # mean 0.1; fractions of the context
+    route = Route([lr.route.LayerRoute("tova", b) for b in budgets])
+    path = tmp_path / "shape.json"
+    route.to_file(path)
+    cfg = T.TrainConfig(methods=["snapkv", "tova", "keydiff"], init_route=str(path), init_method="keydiff",
+                        learn="budgets", budget_floor=0.05)
+    gates = T.build_gates(cfg, 4, [True] * 4)
+    n = 1000
+    assert gates.hard_budgets(0.1 * n, n) == [round(b * n) for b in budgets]
+    assert gates.theta.argmax(-1).tolist() == [2] * 4  # keydiff
+
+
 @pytest.mark.parametrize("mixing", ["score", "mask"])
 @pytest.mark.parametrize("learn", ["both", "methods", "budgets"])
 def test_every_gate_gets_a_finite_gradient(tiny, tokenizer, mixing, learn):

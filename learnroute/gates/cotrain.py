@@ -31,7 +31,7 @@ from learnroute.gates.gates import Gates
 from learnroute.gates.topk import hard_topk_mask
 from learnroute.methods.mixing import mix_ranks
 from learnroute.methods.registry import METHODS
-from learnroute.route import Route, RouteError
+from learnroute.route import LayerRoute, Route, RouteError
 
 if TYPE_CHECKING:
     from learnroute.gates.train import TrainConfig
@@ -48,7 +48,7 @@ def config_problems(config: TrainConfig) -> list[str]:
             problems.append("learn=none trains nothing but an adapter: set adapter=true")
         if config.init_route is None and config.init_method is None:
             problems.append("learn=none keeps the route fixed: give init_route (a route file) or init_method")
-    if config.init_route is not None and config.learn == "none":
+    if config.init_route is not None and config.init_method is None and config.learn == "none":
         try:
             route = Route.from_file(config.init_route)
         except RouteError:
@@ -77,10 +77,12 @@ def config_problems(config: TrainConfig) -> list[str]:
 
 def fixed_route(config: TrainConfig, model: str | None, n_layers: int) -> Route:
     """The route ``learn: none`` trains for: ``init_route``, or ``init_method`` in every
-    layer at the first training budget."""
+    layer at the first training budget (both: the route's budgets with ``init_method``)."""
     if config.init_route is not None:
         route = Route.from_file(config.init_route)
         route.check_layers(n_layers, "the model")
+        if config.init_method is not None:
+            route.layers = [LayerRoute(config.init_method, e.budget) for e in route.layers]
         return route
     return Route.homogeneous(config.init_method, n_layers, config.budgets[0], model=model)
 

@@ -111,7 +111,11 @@ class TrainConfig:
         default=None, metadata={"help": "route file to start from (e.g. a profile route): methods and budget shape"}
     )
     init_method: str | None = field(
-        default=None, metadata={"help": "one method in every layer to start from (learn=budgets needs this or init_route)"}
+        default=None,
+        metadata={
+            "help": "one method in every layer to start from (learn=budgets needs this or init_route); "
+            "with init_route too, the route gives only the budget shape"
+        },
     )
     init_logit: float = field(default=4.0, metadata={"help": "logit of a layer's initial method when warm-starting"})
     # --- decode-time LoRA adapter (learnroute.gates.cotrain); learn=none trains it for a fixed route
@@ -193,8 +197,6 @@ class TrainConfig:
                 problems.append(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.select not in SELECT:
             problems.append(f"select must be one of {', '.join(SELECT)}, got {self.select!r}")
-        if self.init_route is not None and self.init_method is not None:
-            problems.append("give init_route or init_method, not both")
         if self.init_route is not None:
             try:
                 route = Route.from_file(self.init_route)
@@ -202,7 +204,7 @@ class TrainConfig:
                 problems.append(f"init_route: {e}")
             else:
                 missing = sorted(set(route.methods) - set(self.methods))
-                if missing:
+                if missing and self.init_method is None:  # init_method replaces the route's methods
                     problems.append(f"init_route uses methods {missing} that are not candidates {self.methods}")
         if self.init_method is not None and self.init_method not in self.methods:
             problems.append(f"init_method {self.init_method!r} is not one of the candidates {self.methods}")
@@ -398,7 +400,8 @@ def _latest_checkpoint(folder: Path) -> Path | None:
 
 
 def _init_from(config: TrainConfig, n_layers: int) -> tuple[list[str] | None, list[float] | None]:
-    """Initial per-layer methods and budget shares from ``init_route`` / ``init_method``."""
+    """Initial per-layer methods and budget shares from ``init_route`` / ``init_method``
+    (both: the route's budget shape with ``init_method`` in every layer)."""
     if config.init_route is not None:
         route = Route.from_file(config.init_route)
         route.check_layers(n_layers, "the model")
@@ -412,6 +415,8 @@ def _init_from(config: TrainConfig, n_layers: int) -> tuple[list[str] | None, li
             shares = [max(float(b) / mean - f, 0.0) / (n_layers * (1 - f)) for b in route.budgets]
             total = sum(shares)
             shares = [x / total for x in shares] if total > 0 else None
+        if config.init_method is not None:
+            return [config.init_method] * n_layers, shares
         return route.methods, shares
     if config.init_method is not None:
         return [config.init_method] * n_layers, None
