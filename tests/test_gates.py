@@ -187,6 +187,17 @@ def test_init_route_shape_with_init_method(tmp_path):
     assert gates.theta.argmax(-1).tolist() == [2] * 4  # keydiff
 
 
+@pytest.mark.parametrize("pi", [0.3, 0.5, 0.9])
+def test_init_pi_sets_the_start_methods_share_at_the_first_temperature(pi):
+    cfg = T.TrainConfig(methods=["snapkv", "tova", "keydiff", "knorm"], init_method="tova", init_pi=pi,
+                        gate_temperature=[0.2, 0.05])
+    gates = T.build_gates(cfg, 3, [True] * 3)
+    shares = torch.softmax(gates.theta.detach() / 0.2, -1)  # (L, M)
+    torch.testing.assert_close(shares[:, 1], torch.full((3,), pi))
+    with pytest.raises(ConfigError, match="init_pi"):
+        load_config(T.TrainConfig, overrides=["init_pi=0.1"])  # below 1/M = 1/8 with the default candidates
+
+
 @pytest.mark.parametrize("mixing", ["score", "mask"])
 @pytest.mark.parametrize("learn", ["both", "methods", "budgets"])
 def test_every_gate_gets_a_finite_gradient(tiny, tokenizer, mixing, learn):

@@ -118,6 +118,14 @@ class TrainConfig:
         },
     )
     init_logit: float = field(default=4.0, metadata={"help": "logit of a layer's initial method when warm-starting"})
+    init_pi: float | None = field(
+        default=None,
+        metadata={
+            "help": "warm start: the initial method's share of π at the first gate temperature (overrides "
+            "init_logit). A logit of 4 at T = 0.2 is π ≈ 1 - 1e-8: its gradient vanishes and no layer can "
+            "leave its initial method; 0.5 leaves them free to move"
+        },
+    )
     # --- decode-time LoRA adapter (learnroute.gates.cotrain); learn=none trains it for a fixed route
     adapter: bool = field(default=False, metadata={"help": "train a LoRA adapter on question+answer tokens too"})
     lora_rank: int = field(default=8, metadata={"help": "adapter: LoRA rank"})
@@ -188,6 +196,8 @@ class TrainConfig:
             problems.append(f"straight_through must be in [0, 1], got {self.straight_through}")
         if not 0.0 <= self.budget_floor < 1.0:
             problems.append(f"budget_floor must be in [0, 1), got {self.budget_floor}")
+        if self.init_pi is not None and not 1.0 / max(len(self.methods), 1) < self.init_pi < 1.0:
+            problems.append(f"init_pi must be in (1/M, 1) = ({1 / max(len(self.methods), 1):.3g}, 1), got {self.init_pi}")
         if not self.eps > 0:
             problems.append(f"eps must be > 0, got {self.eps}")
         if self.ce_weight == 0 and self.kl_weight == 0:
@@ -423,6 +433,16 @@ def _init_from(config: TrainConfig, n_layers: int) -> tuple[list[str] | None, li
     return None, None
 
 
+def initial_logit(config: TrainConfig) -> float:
+    """The logit of a layer's initial method: ``init_logit``, or the one that gives it
+    π = ``init_pi`` at the first gate temperature (the other M - 1 logits are 0):
+    π = e^(x/T) / (e^(x/T) + M - 1)  =>  x = T · ln(π (M - 1) / (1 - π))."""
+    if config.init_pi is None:
+        return config.init_logit
+    p, m = config.init_pi, len(config.methods)
+    return config.gate_temperature[0] * math.log(p * (m - 1) / (1 - p))
+
+
 def build_gates(config: TrainConfig, n_layers: int, free: list[bool]) -> Gates:
     if config.learn == "none":  # frozen at the route: hard masks (an adapter trains)
         return cotrain.build_fixed_gates(config, None, n_layers, free)
@@ -433,7 +453,7 @@ def build_gates(config: TrainConfig, n_layers: int, free: list[bool]) -> Gates:
         learn=config.learn,
         init_methods=methods,
         init_shares=shares,
-        init_logit=config.init_logit,
+        init_logit=initial_logit(config),
         budget_floor=config.budget_floor,
     )
 
