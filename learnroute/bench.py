@@ -23,12 +23,12 @@ from datetime import timedelta
 from pathlib import Path
 
 from learnroute.methods.registry import METHODS
-from learnroute.route import Route, RouteError, budget_problem
+from learnroute.route import Route, RouteError, budget_problem, parse_budget
 from learnroute.runs import append_jsonl, prepare_folder, read_jsonl, result_key, wandb_run
 from learnroute.tasks.suite import check_tasks, load_tasks
 
 Budget = int | float
-ROUTE_KINDS = ("full", "homogeneous:<method>", "pyramid:<method>", "<route file or glob>")
+ROUTE_KINDS = ("full", "homogeneous:<method>", "pyramid:<method>", "<route file or glob>", "<route file>@<budget>")
 
 
 @dataclass
@@ -47,7 +47,10 @@ class BenchConfig:
     budgets: list[Budget] = field(default_factory=lambda: [0.25], metadata={"help": "budgets to evaluate"})
     routes: list[str] = field(
         default_factory=lambda: ["full", "homogeneous:snapkv"],
-        metadata={"help": "full | homogeneous:<method> | pyramid:<method> | route file | glob of route files"},
+        metadata={
+            "help": "full | homogeneous:<method> | pyramid:<method> | route file | glob of route files | "
+            "FILE@BUDGET (that file at that budget only, e.g. a profile route made for it)"
+        },
     )
     route_file_budgets: str = field(
         default="scale",
@@ -99,6 +102,15 @@ class BenchConfig:
 # ---------------------------------------------------------------------------- routes
 
 
+def pinned(spec: str) -> tuple[str, Budget | None]:
+    """``FILE@BUDGET`` -> (FILE, budget); any other spec -> (spec, None). A route file made
+    for one budget (a profile's allocation for it) is run at that budget only."""
+    head, sep, tail = spec.rpartition("@")
+    if not sep or not head or glob.has_magic(head) or not Path(head).is_file():
+        return spec, None
+    return head, parse_budget(tail)  # ValueError says what a budget may be
+
+
 def route_spec_problems(spec: str) -> list[str]:
     """What is wrong with one route spec (empty list if fine); reads route files."""
     kind, sep, method = spec.partition(":")
@@ -108,6 +120,10 @@ def route_spec_problems(spec: str) -> list[str]:
         if method not in METHODS:
             return [f"route {spec!r}: unknown method {method!r}; registered: {', '.join(METHODS)}"]
         return []
+    try:
+        spec, _ = pinned(spec)
+    except ValueError as e:
+        return [f"route {spec!r}: {e}"]
     paths = sorted(glob.glob(spec))
     if not paths:
         return [f"route {spec!r} is neither one of {', '.join(ROUTE_KINDS)} nor an existing file"]
@@ -206,6 +222,7 @@ def resolve_routes(config: BenchConfig, n_layers: int, model: str) -> list[Cell]
                 Cell(spec, b, Route.allocated(method, n_layers, b, "pyramid", model=model)) for b in config.budgets
             ]
         else:
+            spec, pin = pinned(spec)
             for path in sorted(glob.glob(spec)):
                 route = Route.from_file(path)
                 try:
@@ -213,7 +230,9 @@ def resolve_routes(config: BenchConfig, n_layers: int, model: str) -> list[Cell]
                 except RouteError as e:
                     problems.append(f"{path}: {e}")
                     continue
-                if config.route_file_budgets == "file":
+                if pin is not None:
+                    cells.append(Cell(path, pin, rescale(route, pin)))
+                elif config.route_file_budgets == "file":
                     cells.append(Cell(path, nominal_budget(route), route))
                 else:
                     cells += [Cell(path, b, rescale(route, b)) for b in config.budgets]

@@ -62,6 +62,14 @@ class StudyConfig:
     profile_budget: Budget | None = field(
         default=None, metadata={"help": "budget the profile measures (null = the first budget); routes rescale"}
     )
+    profile_all_budgets: bool = field(
+        default=False,
+        metadata={
+            "help": "profile every study budget (budgets x the profile's cost): the profile routes at each "
+            "budget are its own for that budget, and per-budget variants start from them; otherwise the "
+            "profile_budget routes are rescaled (a shape made for one budget can fail at another)"
+        },
+    )
     train: dict[str, Any] = field(
         default_factory=dict, metadata={"help": "TrainConfig overrides shared by every variant (steps, lr, ...)"}
     )
@@ -145,7 +153,7 @@ class StudyConfig:
                         raise ConfigError(
                             f"variant {name!r}: unknown study token {data[key]!r}; valid: {', '.join(TOKENS)}"
                         )
-                    data[key] = None if check else self._resolve_token(out, data[key])
+                    data[key] = None if check else self._resolve_token(out, data[key], data["budgets"])
                     if check and key == "init_method" and data.get("learn") in ("budgets", "none"):
                         data[key] = self.methods[0]  # stands in until the profile exists
             out_cfgs[name] = data
@@ -156,9 +164,16 @@ class StudyConfig:
         """The budget the profile measures (its routes are rescaled to the others)."""
         return self.profile_budget if self.profile_budget is not None else self.budgets[0]
 
-    def _resolve_token(self, out: Path, token: str) -> str:
+    @property
+    def profile_budgets(self) -> list[Budget]:
+        """Every budget the profile measures."""
+        return list(self.budgets) if self.profile_all_budgets else [self.profiled_budget]
+
+    def _resolve_token(self, out: Path, token: str, budgets: list[Budget]) -> str:
+        """A study token's file (or method) for a variant trained at ``budgets``: the
+        profile's own for that budget when the variant has one budget the profile measured."""
         prof = out / "profile"
-        b = self.profiled_budget
+        b = budgets[0] if len(budgets) == 1 and budgets[0] in self.profile_budgets else self.profiled_budget
         if token == "@profile":
             return str(prof / f"profile_{b}.json")
         if token == "@profile_alloc":
@@ -204,7 +219,7 @@ def run_study(config: StudyConfig, overwrite: bool = False) -> Path:
                 model=config.model,
                 tasks=dict(config.calibration),
                 context_tokens=config.context_tokens,
-                budgets=[pb],
+                budgets=config.profile_budgets,
                 methods=list(config.methods),
                 seed=config.calibration_seed,
                 output=str(out / "profile"),
@@ -227,7 +242,10 @@ def run_study(config: StudyConfig, overwrite: bool = False) -> Path:
             export_cli(run, routes / f"{route_name(name)}_mixture.json", mixture=True)
     # 4. bench on eval samples, per protocol
     specs = ["full"] + [f"homogeneous:{m}" for m in config.methods] + [f"pyramid:{m}" for m in config.pyramid]
-    specs += [str(out / "profile" / f"profile_{pb}.json"), str(out / "profile" / f"profile_{pb}_alloc.json")]
+    if config.profile_all_budgets:  # each budget's profile routes at that budget only
+        specs += [str(out / "profile" / f"profile_{b}{s}.json@{b}") for b in config.budgets for s in ("", "_alloc")]
+    else:
+        specs += [str(out / "profile" / f"profile_{pb}.json"), str(out / "profile" / f"profile_{pb}_alloc.json")]
     specs += [str(routes / "learned*.json")]
     for protocol in config.protocols:
         log(f"stage 4/5: bench ({protocol}) on eval samples")
@@ -391,9 +409,9 @@ def analyze(folder: str | Path, rescore: bool = False) -> dict[str, Any]:
     atomic_write(folder / "study.md", to_markdown(result, main))
     plot_scores(result, main, folder / "scores.png")
     routes_file = folder / "routes" / f"{main}.json"
-    profile_alloc = sorted((folder / "profile").glob("profile_*_alloc.json"))
-    if routes_file.is_file() and profile_alloc:
-        plot_routes(Route.from_file(routes_file), Route.from_file(profile_alloc[0]), folder / "routes.png")
+    profile_alloc = folder / "profile" / f"profile_{config.profiled_budget}_alloc.json"
+    if routes_file.is_file() and profile_alloc.is_file():
+        plot_routes(Route.from_file(routes_file), Route.from_file(profile_alloc), folder / "routes.png")
     return result
 
 
@@ -479,7 +497,13 @@ def to_markdown(result: dict[str, Any], main: str) -> str:
             f"{res['n_eval_samples']} eval samples on the tasks the full cache solves (>= {100 * VALID_FULL:.0f}): "
             f"{', '.join(res['valid_tasks'])}; left out: {', '.join(res['left_out_tasks']) or 'none'}. "
             "Differences are paired over the same samples, with a bootstrap 95 % interval; "
-            "'tie' when it holds 0."
+            "'tie' when it holds 0. "
+            + (
+                "The profile routes are the profile's own at each budget."
+                if result["config"].get("profile_all_budgets")
+                else f"The profile routes are made at {result['config'].get('profile_budget') or result['config']['budgets'][0]} "
+                "and rescaled to the other budgets."
+            )
             + (" **No task reaches the threshold with the full cache: averages use every task.**"
                if res.get("no_task_qualifies") else ""),
             "",

@@ -168,6 +168,14 @@ def test_route_files_scaled_and_as_given(tiny_dir, tmp_path):
     )
     (row,) = read_jsonl(out2 / "results.jsonl")
     assert row["budget"] == 16 and row["kv_fraction"] == pytest.approx(64 / (4 * n))
+    # FILE@BUDGET: that file at that budget only, next to other routes at every budget
+    out3 = tmp_path / "run3"
+    pinned = f"{tmp_path / 'routes' / 'mix.json'}@8"
+    run_bench(config_for(tiny_dir, out3, tasks="{niah_single_1: 1}", routes=f"[full, '{pinned}']", budgets="[8, 32]"))
+    rows = read_jsonl(out3 / "results.jsonl")
+    assert {(r["route"], r["budget"]) for r in rows} == {("full", None), (str(tmp_path / "routes" / "mix.json"), 8)}
+    (row,) = [r for r in rows if r["route"] != "full"]
+    assert row["kv_fraction"] == pytest.approx((4 + 8 + 8 + 12) / (4 * n))  # the shape x1/2
 
 
 def test_route_file_for_another_model_refused_before_any_work(tiny_dir, tmp_path):
@@ -191,9 +199,9 @@ def test_route_file_for_another_model_refused_before_any_work(tiny_dir, tmp_path
 
 def test_cli_bad_config_lists_problems(capsys, tmp_path):
     with pytest.raises(SystemExit):
-        main(["bench", "tasks={nope: 1}", "routes=[homogeneous:nosuch]", f"output={tmp_path}"])
+        main(["bench", "tasks={nope: 1}", f"routes=[homogeneous:nosuch, '{__file__}@lots']", f"output={tmp_path}"])
     err = capsys.readouterr().err
-    assert "unknown task 'nope'" in err and "unknown method 'nosuch'" in err
+    assert "unknown task 'nope'" in err and "unknown method 'nosuch'" in err and "@lots" in err
 
 
 def test_budget_above_context_keeps_all_and_says_so(tiny_dir, tmp_path, capsys):

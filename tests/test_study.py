@@ -30,6 +30,7 @@ def study_config(tmp_path, tiny_dir):
             "homog_adapter": {"learn": "none", "adapter": True, "init_method": "@profile_best", "lora_rank": 2},
         },
         "mixture_of": ["learned"],
+        "profile_all_budgets": True,
         "placements": 3,
         "bootstrap": 200,
         "max_new_tokens": 3,
@@ -73,6 +74,10 @@ def test_study_end_to_end_then_nothing_to_redo(tiny_dir, tmp_path, monkeypatch, 
     assert len({layer["method"] for layer in adapted["layers"]}) == 1
     assert (out / "routes" / adapted["provenance"]["adapter"] / "adapter_config.json").is_file()
     rows = (out / "bench_agnostic" / "results.jsonl").read_text()
+    # profile_all_budgets: each budget's profile routes run at that budget only
+    pinned = {(r["route"].rsplit("/", 1)[-1], r["budget"]) for r in map(json.loads, rows.splitlines())
+              if "/profile/" in r["route"]}
+    assert pinned == {(f"profile_{b}{s}.json", b) for b in (0.25, 40) for s in ("", "_alloc")}
 
     # Again: every stage is found finished; no prefill, no training step.
     from learnroute.engine import Engine
@@ -89,6 +94,25 @@ def test_study_end_to_end_then_nothing_to_redo(tiny_dir, tmp_path, monkeypatch, 
     before = (out / "study.json").read_text()
     assert main(["report", str(out), "--rescore"]) == 0
     assert (out / "study.json").read_text() == before
+
+
+def test_per_budget_variants_start_from_that_budgets_profile(tmp_path):
+    """With profile_all_budgets, a variant trained at one budget starts from the profile's
+    route for that budget; the budget-robust variant from the profiled budget's."""
+    cfg = S.StudyConfig(budgets=[0.1, 0.2], profile_all_budgets=True, per_budget=True,
+                        variants={"learned": {"init_route": "@profile_alloc"}})
+    prof = tmp_path / "profile"
+    prof.mkdir()
+    for b in (0.1, 0.2):
+        (prof / f"profile_{b}_alloc.json").write_text("{}")
+    starts = {name: data["init_route"] for name, data in cfg.variant_configs(tmp_path).items()}
+    assert starts == {
+        "learned": str(prof / "profile_0.1_alloc.json"),
+        "learned@0.1": str(prof / "profile_0.1_alloc.json"),
+        "learned@0.2": str(prof / "profile_0.2_alloc.json"),
+    }
+    cfg.profile_all_budgets = False
+    assert {d["init_route"] for d in cfg.variant_configs(tmp_path).values()} == {str(prof / "profile_0.1_alloc.json")}
 
 
 def test_paired_bootstrap_verdicts():
