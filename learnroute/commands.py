@@ -80,8 +80,27 @@ def report(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="learnroute report", description=report.__doc__)
     parser.add_argument("folder", help="bench run folder or study folder")
     parser.add_argument("--rescore", action="store_true", help="recompute scores from samples.jsonl")
+    parser.add_argument(
+        "--paired", metavar="ROUTE",
+        help="print ROUTE minus other routes per budget, paired over samples, with bootstrap 95 %% intervals "
+        "(a route name or a route file's stem)",
+    )
+    parser.add_argument("--against", nargs="+", metavar="ROUTE", help="with --paired: only these routes")
+    parser.add_argument("--bootstrap", type=int, default=2000, help="with --paired: bootstrap resamples")
     args = parser.parse_args(argv)
     folder = Path(args.folder)
+    if args.against and not args.paired:
+        parser.error("--against needs --paired ROUTE")
+    if args.paired:
+        from learnroute.report import paired_table
+
+        if args.bootstrap < 100:
+            parser.error(f"--bootstrap must be >= 100, got {args.bootstrap}")
+        try:
+            print(paired_table(folder, args.paired, args.against, args.bootstrap, args.rescore), end="")
+        except (FileNotFoundError, ValueError) as e:
+            parser.exit(2, f"learnroute report: error: {e}\n")
+        return 0
     try:
         if (folder / "config.yaml").is_file() and any(folder.glob("bench_*/results.jsonl")):
             from learnroute.study import analyze

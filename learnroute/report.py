@@ -231,3 +231,65 @@ def summarize(folder: str | os.PathLike, rescore: bool = False) -> list[dict]:
     atomic_write(folder / "summary.md", to_markdown(table))
     plot(table, folder / "plot.png")
     return table
+
+
+def find_route(rows: list[dict], name: str) -> str:
+    """The route in ``rows`` called ``name``: its exact name, or a route file's stem."""
+    routes = sorted({r["route"] for r in rows})
+    hits = [r for r in routes if r == name] or [r for r in routes if r.endswith(".json") and Path(r).stem == name]
+    if len(hits) != 1:
+        what = "no route" if not hits else f"{len(hits)} routes"
+        raise ValueError(f"{what} called {name!r} in this folder; routes: {', '.join(routes)}")
+    return hits[0]
+
+
+def paired_table(
+    folder: str | os.PathLike,
+    route: str,
+    against: list[str] | None = None,
+    n_boot: int = 2000,
+    rescore: bool = False,
+) -> str:
+    """``route`` minus each route of ``against`` (default: every other route) per budget,
+    paired over the same samples of the tasks the full cache solves, with a bootstrap 95 %
+    interval (markdown). All-or-nothing samples make one sample worth 100 / n points:
+    differences whose interval holds 0 are ties."""
+    from learnroute.study import VALID_FULL, paired
+
+    rows = load_rows(Path(folder), rescore=rescore)
+    main = find_route(rows, route)
+    others = [find_route(rows, a) for a in against] if against else sorted({r["route"] for r in rows} - {main, "full"})
+    full: dict[str, list[float]] = defaultdict(list)
+    for r in rows:
+        if r["route"] == "full":
+            full[r["task"]].append(float(r["score"]))
+    valid = {t for t, s in full.items() if mean(s) >= VALID_FULL} or set(full)
+    scores: dict[tuple[str, str], dict[str, float]] = defaultdict(dict)
+    for r in rows:
+        if r["task"] in valid:
+            scores[(r["route"], json.dumps(r["budget"]))][r["sample_id"]] = float(r["score"])
+    budgets = sorted({r["budget"] for r in rows if r["route"] == main}, key=_budget_order)
+    n_full = len(scores.get(("full", "null"), {}))
+    lines = [
+        f"{Path(main).stem if main.endswith('.json') else main} minus each route, x100, paired over the samples of "
+        f"{', '.join(sorted(valid))} (the full cache scores >= {100 * VALID_FULL:.0f}; full cache "
+        f"{100 * mean(scores[('full', 'null')].values()):.1f} on {n_full})." if n_full else "",
+        "",
+        "| budget | route | n | route score | difference [95 % interval] | verdict |",
+        "|---|---|---|---|---|---|",
+    ]
+    for b in budgets:
+        bk = json.dumps(b)
+        mine = scores.get((main, bk), {})
+        for o in others:
+            if (o, bk) not in scores or not mine:
+                continue
+            c = paired(mine, scores[(o, bk)], n_boot)
+            if c["n"] == 0:
+                continue
+            name = Path(o).stem if o.endswith(".json") else o
+            lines.append(
+                f"| {_budget_label(b)} | {name} | {c['n']} | {100 * mean(scores[(o, bk)].values()):.1f} | "
+                f"{100 * c['diff']:+.1f} [{100 * c['lo']:+.1f}, {100 * c['hi']:+.1f}] | {c['verdict']} |"
+            )
+    return "\n".join(lines) + "\n"

@@ -301,3 +301,28 @@ def test_samsum_stops_at_a_newline_after_at_least_one_token(tiny_dir, tmp_path, 
     newline = tok.encode("\n", add_special_tokens=False)[-1]
     stops = sorted((c["stop_token_ids"], c["min_new_tokens"]) for c in calls)
     assert stops == [((), 0), ((newline,), 1)]  # trec: model EOS only; samsum: newline too
+
+
+def test_report_paired_differences_by_hand(tmp_path, capsys):
+    """`report --paired`: route minus others over the same samples of the tasks the full cache
+    solves, hand-computed. Task b (full cache 0) is left out; sample a/3 lacks route B."""
+    rows = []
+    full = {"a/0": 1, "a/1": 1, "a/2": 1, "a/3": 0, "b/0": 0, "b/1": 0}
+    mine = {"a/0": 1, "a/1": 1, "a/2": 0, "a/3": 0, "b/0": 1, "b/1": 1}
+    other = {"a/0": 0, "a/1": 0, "a/2": 0, "b/0": 0, "b/1": 0}
+    same = dict(mine)
+    for route, budget, scores in (("full", None, full), ("mine.json", 0.1, mine), ("B", 0.1, other), ("C", 0.1, same)):
+        for sid, s in scores.items():
+            rows.append({"sample_id": sid, "task": sid[0], "route": f"x/{route}" if route.endswith(".json") else route,
+                         "budget": budget, "score": float(s), "prediction": ""})
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["report", str(tmp_path), "--paired", "mine", "--bootstrap", "500"]) == 0
+    out = capsys.readouterr().out
+    assert "paired over the samples of a " in out and "full cache 75.0 on 4" in out
+    # vs B: samples a/0-a/2 only (a/3 has no B): diffs 1, 1, 0 -> +66.7. A resample of three zeros
+    # has probability 1/27 > 2.5 %, so the interval's lower end is 0: a tie
+    assert "| 0.1 | B | 3 | 0.0 | +66.7 [+0.0, +100.0] | tie |" in out
+    assert "| 0.1 | C | 4 | 50.0 | +0.0 [+0.0, +0.0] | tie |" in out
+    with pytest.raises(SystemExit):
+        main(["report", str(tmp_path), "--paired", "nope"])
+    assert "no route called 'nope'" in capsys.readouterr().err
