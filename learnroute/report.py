@@ -270,13 +270,14 @@ def paired_table(
             scores[(r["route"], json.dumps(r["budget"]))][r["sample_id"]] = float(r["score"])
     budgets = sorted({r["budget"] for r in rows if r["route"] == main}, key=_budget_order)
     n_full = len(scores.get(("full", "null"), {}))
+    label = Path(main).stem if main.endswith(".json") else main
     lines = [
-        f"{Path(main).stem if main.endswith('.json') else main} minus each route, x100, paired over the samples of "
+        f"{label} minus each route, x100, paired over the samples of "
         f"{', '.join(sorted(valid))} (the full cache scores >= {100 * VALID_FULL:.0f}; full cache "
         f"{100 * mean(scores[('full', 'null')].values()):.1f} on {n_full})." if n_full else "",
         "",
-        "| budget | route | n | route score | difference [95 % interval] | verdict |",
-        "|---|---|---|---|---|---|",
+        f"| budget | route | n | its score | {label} score | difference [95 % interval] | verdict |",
+        "|---|---|---|---|---|---|---|",
     ]
     for b in budgets:
         bk = json.dumps(b)
@@ -288,8 +289,10 @@ def paired_table(
             if c["n"] == 0:
                 continue
             name = Path(o).stem if o.endswith(".json") else o
+            ids = set(mine) & set(scores[(o, bk)])  # the paired samples: both scores over them
             lines.append(
-                f"| {_budget_label(b)} | {name} | {c['n']} | {100 * mean(scores[(o, bk)].values()):.1f} | "
+                f"| {_budget_label(b)} | {name} | {c['n']} | {100 * mean(scores[(o, bk)][i] for i in ids):.1f} | "
+                f"{100 * mean(mine[i] for i in ids):.1f} | "
                 f"{100 * c['diff']:+.1f} [{100 * c['lo']:+.1f}, {100 * c['hi']:+.1f}] | {c['verdict']} |"
             )
     return "\n".join(lines) + "\n"

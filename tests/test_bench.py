@@ -321,8 +321,8 @@ def test_report_paired_differences_by_hand(tmp_path, capsys):
     assert "paired over the samples of a " in out and "full cache 75.0 on 4" in out
     # vs B: samples a/0-a/2 only (a/3 has no B): diffs 1, 1, 0 -> +66.7. A resample of three zeros
     # has probability 1/27 > 2.5 %, so the interval's lower end is 0: a tie
-    assert "| 0.1 | B | 3 | 0.0 | +66.7 [+0.0, +100.0] | tie |" in out
-    assert "| 0.1 | C | 4 | 50.0 | +0.0 [+0.0, +0.0] | tie |" in out
+    assert "| 0.1 | B | 3 | 0.0 | 66.7 | +66.7 [+0.0, +100.0] | tie |" in out
+    assert "| 0.1 | C | 4 | 50.0 | 50.0 | +0.0 [+0.0, +0.0] | tie |" in out
     with pytest.raises(SystemExit):
         main(["report", str(tmp_path), "--paired", "nope"])
     assert "no route called 'nope'" in capsys.readouterr().err
