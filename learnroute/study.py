@@ -85,6 +85,10 @@ class StudyConfig:
     per_budget: bool = field(default=False, metadata={"help": "also train the main variant once per budget"})
     placements: int = field(default=20, metadata={"help": "random placements of the main learned route"})
     placement_budget: Budget | None = field(default=None, metadata={"help": "its budget (null = the first budget)"})
+    placement_variant: str | None = field(
+        default=None,
+        metadata={"help": "the variant whose placement is studied (null = main_variant; a one-method route has none)"},
+    )
     bootstrap: int = field(default=2000, metadata={"help": "bootstrap resamples for the paired intervals"})
     max_new_tokens: int | None = field(default=None, metadata={"help": "answer cap; null = each task's own"})
     output: str = field(default="runs/study/default", metadata={"help": "study folder"})
@@ -107,6 +111,8 @@ class StudyConfig:
             problems.append(f"protocols must be a non-empty subset of {', '.join(PROTOCOLS)}, got {self.protocols}")
         if self.main_variant not in self.variants:
             problems.append(f"main_variant {self.main_variant!r} is not among the variants {list(self.variants)}")
+        if self.placement_variant is not None and self.placement_variant not in self.variants:
+            problems.append(f"placement_variant {self.placement_variant!r} is not among the variants {list(self.variants)}")
         for v in self.mixture_of:
             if v not in self.variants:
                 problems.append(f"mixture_of: {v!r} is not a variant ({', '.join(self.variants)})")
@@ -268,13 +274,14 @@ def run_study(config: StudyConfig, overwrite: bool = False) -> Path:
         from learnroute.bench import rescale
 
         b = config.placement_budget if config.placement_budget is not None else config.budgets[0]
-        main = Route.from_file(routes / f"{route_name(config.main_variant)}.json")
+        main = Route.from_file(routes / f"{route_name(config.placement_variant or config.main_variant)}.json")
         given = out / "placement_route.json"
         new = rescale(main, b)
         if not given.is_file() or Route.from_file(given).to_dict() != new.to_dict():
             new.to_file(given)
         if len(set(main.methods)) < 2:
-            log("the learned route uses one method in every layer: no placement study (question 4 n/a)")
+            log("the learned route uses one method in every layer: no placement study (question 4 n/a; "
+                "placement_variant names another variant)")
         else:
             run_placement(
                 PlacementConfig(
@@ -405,6 +412,7 @@ def analyze(folder: str | Path, rescore: bool = False) -> dict[str, Any]:
     if placement.is_file():
         p = json.loads(placement.read_text())
         result["q4_placement"] = {k: p[k] for k in ("rank", "of", "ties", "given_score", "better_than_fraction")}
+        result["q4_placement"]["variant"] = route_name(config.placement_variant or config.main_variant)
     atomic_write(folder / "study.json", json.dumps(result, indent=1) + "\n")
     atomic_write(folder / "study.md", to_markdown(result, main))
     plot_scores(result, main, folder / "scores.png")
@@ -543,7 +551,7 @@ def to_markdown(result: dict[str, Any], main: str) -> str:
         lines += [
             "## Q4: placement",
             "",
-            f"The learned route ranks **{p['rank']} of {p['of']}** among random placements of its methods "
+            f"The learned route `{p.get('variant', main)}` ranks **{p['rank']} of {p['of']}** among random placements of its methods "
             f"({p['ties']} tie with it; better than {100 * p['better_than_fraction']:.0f} %).",
             "",
         ]
@@ -566,5 +574,7 @@ def summary_table(result: dict[str, Any]) -> str:
             )
     if "q4_placement" in result:
         p = result["q4_placement"]
-        lines.append(f"\nQ4: the learned placement ranks {p['rank']} of {p['of']} random placements of its methods.")
+        lines.append(
+            f"\nQ4: the placement of `{p.get('variant', 'learned')}` ranks {p['rank']} of {p['of']} random placements of its methods."
+        )
     return "\n".join(lines)

@@ -31,6 +31,7 @@ def study_config(tmp_path, tiny_dir):
         },
         "mixture_of": ["learned"],
         "profile_all_budgets": True,
+        "placement_variant": "warm",
         "placements": 3,
         "bootstrap": 200,
         "max_new_tokens": 3,
@@ -59,9 +60,9 @@ def test_study_end_to_end_then_nothing_to_redo(tiny_dir, tmp_path, monkeypatch, 
             assert set(b["q6_variants"]) == {
                 "learned_budgets_only", "learned_warm", "learned_mixture", "learned_homog_adapter"
             }
-    main_route = json.loads((out / "routes" / "learned.json").read_text())
-    if len({layer["method"] for layer in main_route["layers"]}) > 1:
-        assert result["q4_placement"]["of"] == 4
+    placed = json.loads((out / "routes" / "learned_warm.json").read_text())  # placement_variant
+    if len({layer["method"] for layer in placed["layers"]}) > 1:
+        assert result["q4_placement"]["of"] == 4 and result["q4_placement"]["variant"] == "learned_warm"
     else:  # one method everywhere: no other placement exists, and the study says so
         assert "q4_placement" not in result
     # the budgets-only variant trained the profile's least damaging method in every layer
