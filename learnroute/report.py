@@ -254,20 +254,13 @@ def paired_table(
     paired over the same samples of the tasks the full cache solves, with a bootstrap 95 %
     interval (markdown). All-or-nothing samples make one sample worth 100 / n points:
     differences whose interval holds 0 are ties."""
-    from learnroute.study import VALID_FULL, paired
+    from learnroute.study import VALID_FULL, paired, sample_scores, solved_tasks
 
     rows = load_rows(Path(folder), rescore=rescore)
     main = find_route(rows, route)
     others = [find_route(rows, a) for a in against] if against else sorted({r["route"] for r in rows} - {main, "full"})
-    full: dict[str, list[float]] = defaultdict(list)
-    for r in rows:
-        if r["route"] == "full":
-            full[r["task"]].append(float(r["score"]))
-    valid = {t for t, s in full.items() if mean(s) >= VALID_FULL} or set(full)
-    scores: dict[tuple[str, str], dict[str, float]] = defaultdict(dict)
-    for r in rows:
-        if r["task"] in valid:
-            scores[(r["route"], json.dumps(r["budget"]))][r["sample_id"]] = float(r["score"])
+    _, valid = solved_tasks(rows)
+    scores = sample_scores(rows, valid)
     budgets = sorted({r["budget"] for r in rows if r["route"] == main}, key=_budget_order)
     n_full = len(scores.get(("full", "null"), {}))
     label = Path(main).stem if main.endswith(".json") else main

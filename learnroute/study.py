@@ -322,7 +322,18 @@ def paired(a: dict[str, float], b: dict[str, float], n_boot: int, seed: int = 0)
     return {"n": len(d), "diff": mean(d), "lo": lo, "hi": hi, "verdict": verdict}
 
 
-def _scores(rows: list[dict], tasks: set[str]) -> dict[tuple[str, str], dict[str, float]]:
+def solved_tasks(rows: list[dict]) -> tuple[dict[str, float], set[str]]:
+    """The full cache's mean score per task, and the tasks it solves (>= ``VALID_FULL``):
+    those the averages use. If none qualifies (e.g. a tiny random model), every task."""
+    by_task: dict[str, list[float]] = {}
+    for r in rows:
+        if r["route"] == "full":
+            by_task.setdefault(r["task"], []).append(float(r["score"]))
+    full_task = {t: mean(v) for t, v in by_task.items()}
+    return full_task, {t for t, s in full_task.items() if s >= VALID_FULL} or set(full_task)
+
+
+def sample_scores(rows: list[dict], tasks: set[str]) -> dict[tuple[str, str], dict[str, float]]:
     """(route, budget JSON) -> sample id -> score, over ``tasks``."""
     out: dict[tuple[str, str], dict[str, float]] = {}
     for r in rows:
@@ -357,15 +368,9 @@ def analyze(folder: str | Path, rescore: bool = False) -> dict[str, Any]:
         rows = load_rows(bench, rescore=rescore)
         for r in rows:
             r["route"] = _label(r["route"])
-        full_by_task: dict[str, list[float]] = {}
-        for r in rows:
-            if r["route"] == "full":
-                full_by_task.setdefault(r["task"], []).append(float(r["score"]))
-        full_task = {t: mean(v) for t, v in full_by_task.items()}
-        valid = {t for t, s in full_task.items() if s >= VALID_FULL}
-        all_tasks = not valid  # no task qualifies (e.g. a tiny random model): use them all, and say so
-        valid = valid or set(full_task)
-        scores = _scores(rows, valid)
+        full_task, valid = solved_tasks(rows)
+        all_tasks = not any(s >= VALID_FULL for s in full_task.values())  # say so in the tables
+        scores = sample_scores(rows, valid)
         full = next((v for (route, _), v in scores.items() if route == "full"), {})
         routes = sorted({route for route, _ in scores})
         per_budget = []
