@@ -64,7 +64,12 @@ class BenchConfig:
     max_new_tokens: int | None = field(
         default=None, metadata={"help": "cap on answer tokens; null = each task's own (RULER / LongBench)"}
     )
-    max_batch: int = field(default=32, metadata={"help": "most same-shape routes decoded as one batch"})
+    max_batch: int = field(default=32, metadata={"help": "most routes decoded as one batch"})
+    max_padding: float = field(
+        default=4.0,
+        metadata={"help": "routes of different per-layer budgets share a decode batch while padding them "
+                          "costs at most this factor in cache size; 1 = identical shapes only"},
+    )
     longbench_dir: str | None = field(
         default=None, metadata={"help": "folder of LongBench JSONL files (default $LEARNROUTE_LONGBENCH)"}
     )
@@ -94,6 +99,8 @@ class BenchConfig:
             problems.append(f"max_new_tokens must be >= 1 or null, got {self.max_new_tokens}")
         if self.max_batch < 1:
             problems.append(f"max_batch must be >= 1, got {self.max_batch}")
+        if self.max_padding < 1:
+            problems.append(f"max_padding must be >= 1 (1 = identical shapes only), got {self.max_padding}")
         if self.route_file_budgets not in ("scale", "file"):
             problems.append(f"route_file_budgets must be 'scale' or 'file', got {self.route_file_budgets!r}")
         return problems
@@ -280,7 +287,9 @@ def run_bench(config: BenchConfig, overwrite: bool = False) -> Path:
         append_jsonl(out / "samples.jsonl", [{"task": t, **s.to_dict()} for t, s in samples if s.id not in existing])
     done = {result_key(r) for r in read_jsonl(out / "results.jsonl")}
     mine = samples[rank::world]
-    engine = Engine(model, tokenizer, query_aware=config.query_aware, max_batch=config.max_batch)
+    engine = Engine(
+        model, tokenizer, query_aware=config.query_aware, max_batch=config.max_batch, max_padding=config.max_padding
+    )
     engine.check_routes([c.route for c in cells])  # adapters named by route files fit the model, before any forward
     newline_id = tokenizer.encode("\n", add_special_tokens=False)[-1]  # as LongBench's pred.py takes it
     wb = wandb_run(config, out) if config.wandb and state.is_main_process else None

@@ -3,12 +3,14 @@
 Per sample: one full-cache prefill of the context that captures what the scorers need
 per layer; scores for every method from that capture; then, for each route, a physically
 compressed cache (layers keep different token counts) and greedy decoding of the
-question with the original positions. Routes whose per-layer kept counts agree decode
-together as one batch, so R routes cost one prefill plus about R / batch decodes.
+question with the original positions. Routes decode together in batches, so R routes
+cost one prefill plus about R / batch decodes: rows whose per-layer kept counts differ
+are padded to the batch's longest in each layer and the padding is masked
+(:func:`pack_batches` bounds what padding may cost).
 
 A route may name a decode-time LoRA adapter (:mod:`learnroute.adapter`): the prefill runs
 with every adapter off (the cache is the base model's), the route's question and answer
-tokens with its adapter on. Routes are batched by (adapter, kept-count shape).
+tokens with its adapter on. A batch holds routes of one adapter.
 """
 
 from __future__ import annotations
@@ -112,13 +114,46 @@ class RouteResult:
         return self.kv_bytes / self.full_kv_bytes
 
 
+def padded_shape(shapes: list[list[int]]) -> list[int]:
+    """Per layer, the most tokens any of ``shapes`` (kept counts per layer) keeps there."""
+    return [max(per_layer) for per_layer in zip(*shapes)]
+
+
+def pack_batches(shapes: list[list[int]], max_batch: int, max_padding: float) -> list[list[int]]:
+    """Group routes (their kept counts per layer, ``shapes``) into decode batches.
+
+    Batching is what makes many routes cheap: on 2 CPU cores a decode step of SmolLM2-135M
+    costs about 65 ms for one row and 145 ms for 32 (``benchmarks/engine.py``). Routes are
+    taken in order of total kept tokens (identical shapes next to each other); a batch
+    closes at ``max_batch`` rows, or before a route that would make the batch's padded
+    cache (per layer, the longest row) more than ``max_padding`` times its smallest
+    route's. ``max_padding=1`` batches identical shapes only. Returns indices of
+    ``shapes``, one list per batch.
+    """
+    if max_padding < 1:
+        raise ValueError(f"max_padding must be >= 1, got {max_padding}")
+    order = sorted(range(len(shapes)), key=lambda i: (sum(shapes[i]), shapes[i]))
+    batches: list[list[int]] = []
+    for i in order:
+        if batches and len(batches[-1]) < max_batch:
+            batch = batches[-1]
+            smallest = min(sum(shapes[j]) for j in batch)
+            if sum(padded_shape([shapes[j] for j in batch] + [shapes[i]])) <= max_padding * smallest:
+                batch.append(i)
+                continue
+        batches.append([i])
+    return batches
+
+
 class Engine:
     """Prefill once, score all methods, compress to any route, decode in batches.
 
     Parameters: ``max_new_tokens`` caps each answer; ``query_aware`` puts the question in
-    the prefill; ``max_batch`` caps how many same-shape routes decode together;
+    the prefill; ``max_batch`` caps how many routes decode together;
     ``method_options`` passes constructor arguments per method name
-    (e.g. ``{"snapkv": {"window_size": 32}}``).
+    (e.g. ``{"snapkv": {"window_size": 32}}``); ``max_padding`` lets routes of different
+    kept counts decode together when padding them costs at most that factor in cache size
+    (:func:`pack_batches`; 1 = identical shapes only).
     """
 
     def __init__(
@@ -130,7 +165,10 @@ class Engine:
         query_aware: bool = False,
         max_batch: int = 32,
         method_options: dict[str, dict] | None = None,
+        max_padding: float = 4.0,
     ) -> None:
+        if max_padding < 1:
+            raise ValueError(f"max_padding must be >= 1 (1 = batch identical shapes only), got {max_padding}")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if max_batch < 1:
@@ -140,6 +178,7 @@ class Engine:
         self.max_new_tokens = max_new_tokens
         self.query_aware = query_aware
         self.max_batch = max_batch
+        self.max_padding = max_padding
         self.method_options = method_options or {}
         self._methods: dict[str, Method] = {}
         self._adapters: dict[Path, _adapter.Adapter] = {}
@@ -297,11 +336,13 @@ class Engine:
         workspace: torch.Tensor | None = None,
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (R, H_kv, k_l + extra, d) keys and values whose first k_l slots hold each
-        route's kept tokens; carved one after another from ``workspace`` if given."""
+        route's kept tokens (k_l: the most any route keeps there; a route that keeps fewer
+        leaves padding after its own); carved one after another from ``workspace`` if given."""
         offset, kv = 0, []
         for layer in range(len(prefill.layers)):
             out = None if workspace is None else workspace[offset:]
-            k, v = self._empty_kv(prefill, layer, len(routes), counts[0][layer] + extra, out)
+            longest = max(c[layer] for c in counts)
+            k, v = self._empty_kv(prefill, layer, len(routes), longest + extra, out)
             offset += k.numel() + v.numel()
             self._gather_into(prefill, routes, counts, layer, k, v)
             kv.append((k, v))
@@ -321,12 +362,21 @@ class Engine:
     def _gather_into(
         self, prefill: Prefill, routes: list[Route], counts: list[list[int]], layer: int, k: torch.Tensor, v: torch.Tensor
     ) -> None:
-        """Write each route's kept keys/values at ``layer`` into the first k_l slots of ``k``/``v``."""
+        """Write each route's kept keys/values at ``layer`` into the first slots of ``k``/``v``.
+
+        A route that keeps fewer tokens than the longest gets copies of position 0 in its
+        padding slots: any real key would do, attention never sees them.
+        """
         cap = prefill.layers[layer]
         _, h, n, d = cap.keys.shape
-        idx = torch.cat([
+        parts = [
             self.kept_indices(prefill, layer, route.layers[layer].method, kept[layer], route.layers[layer].mixture)
             for route, kept in zip(routes, counts)
+        ]  # (1, H_kv, k_r) each
+        longest = max(p.shape[-1] for p in parts)
+        idx = torch.cat([
+            p if p.shape[-1] == longest else torch.nn.functional.pad(p, (0, longest - p.shape[-1]))
+            for p in parts
         ])  # (R, H_kv, k_l)
         r, kept = len(routes), idx.shape[-1]
         # One gather per layer for the whole batch, from the shared (1, ...) capture, written
@@ -335,15 +385,23 @@ class Engine:
         dv = cap.values.shape[-1]
         torch.gather(cap.values.expand(r, h, n, dv), 2, idx.unsqueeze(-1).expand(-1, -1, -1, dv), out=v[:, :, :kept])
 
-    def _decode_cache(self, prefill: Prefill, routes: list[Route], shape: tuple[int, ...], extra: int, workspace):
-        """A cache for same-shape ``routes`` with room for ``extra`` tokens per layer.
+    def _decode_cache(self, prefill: Prefill, routes: list[Route], counts: list[list[int]], extra: int, workspace):
+        """A cache for ``routes`` (kept ``counts`` per route, per layer) with room for
+        ``extra`` tokens per layer; where routes keep different counts in a layer, its rows
+        are padded to the longest and the padding is recorded for masking.
 
         Buffers are carved from ``workspace`` (a flat tensor reused by every batch of one
         :meth:`answer` call: fresh multi-MB allocations page-fault, which on a CPU VM can
         cost more than filling them).
         """
-        buffers = self._kept_kv(prefill, routes, [list(shape)] * len(routes), extra, workspace)
-        return _hf.cache_from_buffers(self.model, buffers, list(shape))
+        buffers = self._kept_kv(prefill, routes, counts, extra, workspace)
+        lengths, valid = [], []
+        device = self.model.device
+        for per_route in zip(*counts):  # one layer's count per route
+            lengths.append(max(per_route))
+            same = min(per_route) == max(per_route)
+            valid.append(None if same else torch.tensor(per_route, dtype=torch.long, device=device))  # (R,)
+        return _hf.cache_from_buffers(self.model, buffers, lengths, valid)
 
     # ------------------------------------------------------------------ decode
 
@@ -379,7 +437,7 @@ class Engine:
         rows: list[list[int]] = [[] for _ in range(n_rows)]
         alive = torch.arange(n_rows, device=device)  # original row of each batch row
         done = torch.zeros(n_rows, dtype=torch.bool, device=device)  # batch rows that have produced EOS
-        with _hf.routed_attention(self.model):
+        with _hf.padded_keys(self.model, cache):  # also route-aware attention
             first_logits = _hf.forward_tokens(self.model, cache, ids, pos, keep=1)[:, -1].float()  # (R, vocab)
             nxt = greedy(first_logits, 0)  # (R,)
             next_pos = n_ctx + q
@@ -411,7 +469,8 @@ class Engine:
         stop_token_ids: tuple[int, ...] = (),
         min_new_tokens: int = 0,
     ) -> list[RouteResult]:
-        """Decode the question under every route; same-shape routes share a batch.
+        """Decode the question under every route; routes of similar kept counts share a batch
+        (:func:`pack_batches`: padded to the longest per layer, padding masked).
 
         Per-sample options: ``max_new_tokens`` overrides the engine's cap (per-task
         limits); ``stop_token_ids`` end an answer like EOS does (kept in ``token_ids``);
@@ -426,55 +485,52 @@ class Engine:
         per_row = cap0.keys.shape[1] * (cap0.keys.shape[-1] + cap0.values.shape[-1])  # elements per kept token
         per_token = per_row * cap0.keys.element_size()
         full_bytes = per_token * sum(prefill.layer_tokens)
-        # One batch per (adapter, kept-count shape): rows of a batch share the model's weights.
-        groups: dict[tuple[Path | None, tuple[int, ...]], list[int]] = defaultdict(list)
+        # Batches share the model's weights, so one adapter each; within an adapter, routes
+        # of similar kept counts share a batch (pack_batches).
+        by_adapter: dict[Path | None, list[int]] = defaultdict(list)
         adapters: dict[Path | None, _adapter.Adapter | None] = {}
+        counts = [self.kept_counts(route, n, prefill.layer_tokens) for route in routes]
         for i, route in enumerate(routes):
             found = self.adapter(route)
             key = None if found is None else route.adapter_path.resolve()
             adapters[key] = found
-            groups[(key, tuple(self.kept_counts(route, n, prefill.layer_tokens)))].append(i)
+            by_adapter[key].append(i)
+        batches = [
+            (key, [members[j] for j in batch])
+            for key, members in by_adapter.items()
+            for batch in pack_batches([counts[i] for i in members], self.max_batch, self.max_padding)
+        ]
         results: list[RouteResult | None] = [None] * len(routes)
         max_new = max_new_tokens or self.max_new_tokens
         extra = prefill.prompt.question_ids.shape[1] + max_new  # tokens each layer's cache grows by
         workspace = cap0.keys.new_empty(
-            max(min(len(m), self.max_batch) * per_row * (sum(s) + extra * len(s)) for (_, s), m in groups.items())
+            max(len(b) * per_row * (sum(padded_shape([counts[i] for i in b])) + extra * len(counts[b[0]]))
+                for _, b in batches)
         )
         needed = [a for a in adapters.values() if a is not None]
         with _adapter.attached(self.model, needed) if needed else contextlib.nullcontext():
-            for (key, shape), members in groups.items():
+            for key, batch in batches:
                 with _adapter.using(self.model, adapters[key]):
-                    self._answer_group(
-                        prefill, routes, members, shape, extra, workspace, max_new, stop_token_ids, min_new_tokens,
-                        keep_logits, per_token, full_bytes, results,
+                    t0 = time.perf_counter()
+                    cache = self._decode_cache(prefill, [routes[i] for i in batch], [counts[i] for i in batch],
+                                               extra, workspace)
+                    rows, logits = self._decode(
+                        cache, prefill.prompt.question_ids, n, len(batch), max_new, tuple(stop_token_ids),
+                        min_new_tokens,
+                    )
+                share = (time.perf_counter() - t0) / len(batch)
+                for j, (i, toks) in enumerate(zip(batch, rows)):
+                    results[i] = RouteResult(
+                        route=routes[i],
+                        answer=self.tokenizer.decode(toks, skip_special_tokens=True),
+                        token_ids=toks,
+                        kept_per_layer=counts[i],
+                        kv_bytes=per_token * sum(counts[i]),
+                        full_kv_bytes=full_bytes,
+                        first_logits=logits[j].clone() if keep_logits else None,
+                        seconds=share,
                     )
         return results  # type: ignore[return-value]
-
-    def _answer_group(
-        self, prefill, routes, members, shape, extra, workspace, max_new, stop_token_ids, min_new_tokens,
-        keep_logits, per_token, full_bytes, results,
-    ) -> None:
-        """Decode routes ``members`` (one kept-count shape, one adapter) in chunks of ``max_batch``."""
-        n = prefill.n_tokens
-        for start in range(0, len(members), self.max_batch):
-            chunk = members[start : start + self.max_batch]
-            t0 = time.perf_counter()
-            cache = self._decode_cache(prefill, [routes[i] for i in chunk], shape, extra, workspace)
-            rows, logits = self._decode(
-                cache, prefill.prompt.question_ids, n, len(chunk), max_new, tuple(stop_token_ids), min_new_tokens
-            )
-            share = (time.perf_counter() - t0) / len(chunk)
-            for j, (i, toks) in enumerate(zip(chunk, rows)):
-                results[i] = RouteResult(
-                    route=routes[i],
-                    answer=self.tokenizer.decode(toks, skip_special_tokens=True),
-                    token_ids=toks,
-                    kept_per_layer=list(shape),
-                    kv_bytes=per_token * sum(shape),
-                    full_kv_bytes=full_bytes,
-                    first_logits=logits[j].clone() if keep_logits else None,
-                    seconds=share,
-                )
 
     def run(
         self, context: str, question: str, routes: list[Route], answer_prefix: str = "", keep_logits: bool = False

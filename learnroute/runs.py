@@ -18,8 +18,9 @@ import yaml
 
 from learnroute.config import ConfigError, to_dict
 
-# Config fields that do not change any result: a rerun may change them and still resume.
-_RESUME_FREE = ("output", "wandb", "wandb_project", "max_batch")
+# Config fields that do not change any result (batching changes float summation order at
+# most): a rerun may change them and still resume.
+_RESUME_FREE = ("output", "wandb", "wandb_project", "max_batch", "max_padding")
 
 
 def versions() -> dict[str, Any]:

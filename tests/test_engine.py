@@ -284,3 +284,86 @@ def test_preallocated_cache_crops_back_for_another_question(tiny):
         assert [layer.get_seq_length() for layer in cache.layers] == [5, 9, 7, 3]
         again = tiny(input_ids=ids, past_key_values=cache, position_ids=pos).logits
     assert torch.equal(first, again)
+
+
+def test_pack_batches_groups_by_padding_cost_by_hand():
+    shapes = [[4, 4], [2, 2], [4, 4], [3, 5], [20, 20]]
+    # Sorted by (total, shape): [2,2] (4), [3,5] (8), [4,4] x2 (8), [20,20] (40).
+    # max_padding 2: [2,2]+[3,5] pads to [3,5] = 8 <= 2*4; + [4,4] pads to [4,5] = 9 > 8 -> new
+    # batch; the second [4,4] joins it (8 <= 16); [20,20] (40 > 16) starts another.
+    assert lr.engine.pack_batches(shapes, max_batch=8, max_padding=2.0) == [[1, 3], [0, 2], [4]]
+    # max_padding 1: identical shapes only.
+    assert lr.engine.pack_batches(shapes, max_batch=8, max_padding=1.0) == [[1], [3], [0, 2], [4]]
+    # max_batch caps a batch whatever the padding allows.
+    assert lr.engine.pack_batches(shapes, max_batch=2, max_padding=100.0) == [[1, 3], [0, 2], [4]]
+    with pytest.raises(ValueError, match="max_padding must be >= 1"):
+        lr.engine.pack_batches(shapes, 8, 0.5)
+    with pytest.raises(ValueError, match="max_padding must be >= 1"):
+        Engine.__init__(object.__new__(Engine), None, None, max_padding=0.9)
+
+
+def _shaped_routes():
+    """Routes whose kept counts differ per layer (so a shared batch needs padding)."""
+    return [
+        mixed_route(),
+        Route.homogeneous("snapkv", 4, 0.3),
+        Route.from_layers(["tova", "keydiff", "snapkv", "knorm"], [60, 12, 0.5, 20], source="test"),
+        Route.from_layers(["h2o", "random", "tova", "snapkv"], [0.4, 0.1, 30, 0.6], source="test"),
+    ]
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_padded_batch_of_different_shapes_matches_each_route_alone(tokenizer, sample, attn):
+    model = make_tiny(tokenizer, attn=attn)
+    routes = _shaped_routes()
+    engine = Engine(model, tokenizer, max_new_tokens=6, max_padding=100.0)
+    pre = engine.prefill(engine.encode(sample.context, sample.question))
+    counts = [engine.kept_counts(r, pre.n_tokens) for r in routes]
+    assert len({tuple(c) for c in counts}) == len(routes)  # every layer shape differs
+    assert lr.engine.pack_batches(counts, engine.max_batch, engine.max_padding) == [sorted(
+        range(len(routes)), key=lambda i: (sum(counts[i]), counts[i]))]  # one padded batch
+    padded = engine.answer(pre, routes, keep_logits=True)
+    alone = Engine(model, tokenizer, max_new_tokens=6, max_batch=1).answer(pre, routes, keep_logits=True)
+    for route, p, a, c in zip(routes, padded, alone, counts):
+        assert p.kept_per_layer == c and p.kv_bytes == a.kv_bytes  # bytes of the route, not of the padding
+        torch.testing.assert_close(p.first_logits, a.first_logits, rtol=1e-4, atol=1e-4)
+        kept = [engine.kept_indices(pre, i, e.method, k) for i, (e, k) in enumerate(zip(route.layers, c))]
+        assert p.token_ids == greedy_from_kept(model, pre, kept, 6)  # independent reference
+    assert model.config._attn_implementation == attn
+    assert not any(hasattr(m, "_learnroute_padding") for m in lr._hf.attention_modules(model))  # restored
+
+
+def test_padding_slots_are_never_attended(tiny, tokenizer, sample, monkeypatch):
+    """Poison the padding: huge keys/values there would dominate attention if it were seen."""
+    engine = Engine(tiny, tokenizer, max_new_tokens=4, max_padding=100.0)
+    pre = engine.prefill(engine.encode(sample.context, sample.question))
+    routes = _shaped_routes()
+    clean = engine.answer(pre, routes, keep_logits=True)
+    original = Engine._gather_into
+
+    def poisoned(self, prefill, routes, counts, layer, k, v):
+        k.fill_(1e4)
+        v.fill_(1e4)
+        original(self, prefill, routes, counts, layer, k, v)
+        for row, c in enumerate(counts):  # rewrite each row's padding slots after the real gather
+            longest = max(cc[layer] for cc in counts)
+            k[row, :, c[layer] : longest] = 1e4
+            v[row, :, c[layer] : longest] = 1e4
+
+    monkeypatch.setattr(Engine, "_gather_into", poisoned)
+    dirty = engine.answer(pre, routes, keep_logits=True)
+    for a, b in zip(clean, dirty):
+        torch.testing.assert_close(a.first_logits, b.first_logits)
+        assert a.token_ids == b.token_ids
+
+
+def test_padded_rows_that_stop_early_leave_the_batch_with_their_padding(tokenizer, sample, monkeypatch):
+    model = make_tiny(tokenizer, seed=5)
+    routes = _shaped_routes() + [Route.homogeneous(m, 4, 0.3) for m in ("tova", "knorm")]
+    free = Engine(model, tokenizer, max_new_tokens=8, max_padding=100.0).run(sample.context, sample.question, routes)
+    stop = free[1].token_ids[0]
+    monkeypatch.setattr(model.generation_config, "eos_token_id", stop)
+    batched = Engine(model, tokenizer, max_new_tokens=8, max_padding=100.0).run(sample.context, sample.question, routes)
+    single = Engine(model, tokenizer, max_new_tokens=8, max_batch=1).run(sample.context, sample.question, routes)
+    assert [r.token_ids for r in batched] == [r.token_ids for r in single]
+    assert any(len(r.token_ids) == 1 for r in batched) and any(len(r.token_ids) > 1 for r in batched)

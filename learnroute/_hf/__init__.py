@@ -22,6 +22,7 @@ from learnroute._hf.attention import (
     attention_bias,
     attn_implementation,
     is_routed,
+    padded_keys,
     routed_attention,
     switch_to_routed_attention,
 )
@@ -78,6 +79,7 @@ __all__ = [
     "language_model",
     "local_attention_layers",
     "max_positions",
+    "padded_keys",
     "model_type",
     "quiet_loading",
     "rotary_on_attention",

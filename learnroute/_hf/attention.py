@@ -21,7 +21,7 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
-from transformers import AttentionInterface, PreTrainedModel
+from transformers import AttentionInterface, DynamicCache, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
@@ -31,6 +31,7 @@ from learnroute._hf.model import attention_modules, text_config
 ROUTED_PREFIX = "learnroute_"
 _BIAS_ATTR = "_learnroute_bias"
 _OWN_MASKS_ATTR = "_learnroute_own_masks"
+_PAD_ATTR = "_learnroute_padding"
 
 
 def _eager_function(module: nn.Module):
@@ -50,6 +51,7 @@ def _layer_mask(
     eager: bool,
     rebuild: bool = False,
     window: int | None = None,
+    padding: tuple[torch.Tensor, int] | None = None,
 ) -> torch.Tensor | None:
     """The mask for a layer with ``kv`` keys whose last ``q`` are the current queries.
 
@@ -58,8 +60,11 @@ def _layer_mask(
     happen to match, so the mask is always rebuilt from this layer's own geometry. A
     sliding layer (``window`` w) also hides keys w or more positions behind the query;
     its cached keys are contiguous and end-aligned, so relative positions are exact.
+
+    ``padding`` (valid (B,), pad_end): rows of different lengths share the cache; row b's
+    keys in [valid[b], pad_end) are padding and hidden from every query.
     """
-    if rebuild:
+    if rebuild or padding is not None:
         attention_mask = None
         if window is not None and window >= kv:
             window = None  # every key is inside the window
@@ -72,7 +77,14 @@ def _layer_mask(
         if past0 > 0 and bool(blocked.any()):
             raise ValueError("padded batches are not supported with per-layer cache lengths")
         attention_mask = None
-    if attention_mask is None and bias is None and window is None and (q == 1 or q == kv) and not eager:
+    if (
+        attention_mask is None
+        and bias is None
+        and window is None
+        and padding is None
+        and (q == 1 or q == kv)
+        and not eager
+    ):
         return None  # sdpa: no mask (q == 1) or is_causal (q == kv), as stock transformers does
     if attention_mask is None:
         # Key j is visible to query i iff j <= kv - q + i (new tokens are the last q keys),
@@ -83,6 +95,11 @@ def _layer_mask(
         if window is not None:
             allowed &= (kv - q + i) - j < window
         attention_mask = allowed[None, None]  # (1, 1, q, kv)
+    if padding is not None:
+        valid, pad_end = padding
+        j = torch.arange(kv, device=query.device).unsqueeze(0)  # (1, kv)
+        hidden = (j >= valid.unsqueeze(1)) & (j < pad_end)  # (B, kv): each row's padding slots
+        attention_mask = attention_mask & ~hidden[:, None, None, :]  # (B, 1, q, kv)
     if bias is None:
         if eager and attention_mask.dtype == torch.bool:
             return torch.zeros_like(attention_mask, dtype=query.dtype).masked_fill(
@@ -126,16 +143,19 @@ def _routed(eager: bool):
         bias = getattr(module, _BIAS_ATTR, None)
         # Models with sliding-window layers rebuild every mask (see _layer_mask).
         rebuild = getattr(module, _OWN_MASKS_ATTR, False)
+        layer = getattr(module, _PAD_ATTR, None)  # a padded cache layer (padded_keys)
+        padding = None if layer is None or layer.valid is None else (layer.valid, layer.pad_end)
         # Without a mask, several queries over a longer cache need one aligned to the end of
         # the keys (sdpa's is_causal would align it to the start); see forward_from_layer.
         if (
             bias is not None
             or rebuild
+            or padding is not None
             or (attention_mask is not None and attention_mask.shape[-1] != kv)
             or (attention_mask is None and (eager or 1 < q != kv))
         ):
             attention_mask = _layer_mask(
-                attention_mask, q, kv, query, bias, eager, rebuild, kwargs.get("sliding_window")
+                attention_mask, q, kv, query, bias, eager, rebuild, kwargs.get("sliding_window"), padding
             )
         if eager:
             return _eager_function(module)(module, query, key, value, attention_mask, dropout=dropout, **kwargs)
@@ -194,6 +214,28 @@ def routed_attention(model: PreTrainedModel) -> Iterator[PreTrainedModel]:
         for m in modules:
             if hasattr(m, _OWN_MASKS_ATTR):
                 delattr(m, _OWN_MASKS_ATTR)
+
+
+@contextlib.contextmanager
+def padded_keys(model: PreTrainedModel, cache: DynamicCache) -> Iterator[None]:
+    """Hide the padding of ``cache``'s padded layers (rows of different lengths, built by
+    :func:`~learnroute._hf.cache.cache_from_buffers` with ``valid``) from attention.
+
+    Inside the scope every forward over ``cache`` masks each row's padding slots; rows
+    dropped or reordered on the cache keep their padding (it lives on the cache layers).
+    Switches to route-aware attention too.
+    """
+    modules = attention_modules(model)
+    try:
+        for module, layer in zip(modules, cache.layers):
+            if getattr(layer, "valid", None) is not None:
+                setattr(module, _PAD_ATTR, layer)
+        with routed_attention(model):
+            yield
+    finally:
+        for m in modules:
+            if hasattr(m, _PAD_ATTR):
+                delattr(m, _PAD_ATTR)
 
 
 @contextlib.contextmanager

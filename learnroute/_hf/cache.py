@@ -78,13 +78,20 @@ class _PreallocatedLayer(DynamicLayer):
     DynamicLayer would hold.
     """
 
-    def __init__(self, key_buffer: torch.Tensor, value_buffer: torch.Tensor, length: int) -> None:
+    def __init__(
+        self, key_buffer: torch.Tensor, value_buffer: torch.Tensor, length: int, valid: torch.Tensor | None = None
+    ) -> None:
         super().__init__()
         self.dtype, self.device = key_buffer.dtype, key_buffer.device
         self._k, self._v = key_buffer, value_buffer  # (B, H_kv, capacity, d) each
         self._len = length
         self._views()  # keys/values: (B, H_kv, length, d) views of the buffers
         self.is_initialized = True
+        # Rows of different lengths share the buffer: row b holds valid[b] context tokens in
+        # slots [0, valid[b]); slots [valid[b], pad_end) are padding that attention masks
+        # (see attention.padded_keys); later tokens go after pad_end in every row.
+        self.valid = valid  # (B,) or None: no padding
+        self.pad_end = length
 
     def update(self, key_states, value_states, cache_kwargs=None):
         t = key_states.shape[-2]
@@ -105,14 +112,21 @@ class _PreallocatedLayer(DynamicLayer):
         if max_length < 0:
             max_length = self._len + max_length
         self._len = min(self._len, max(max_length, 0))
+        if self.valid is not None and self._len < self.pad_end:  # cut into the padded part
+            self.pad_end = self._len
+            self.valid = self.valid.clamp(max=self._len)
         self._views()
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self._k, self._v = self._k.repeat_interleave(repeats, 0), self._v.repeat_interleave(repeats, 0)
+        if self.valid is not None:
+            self.valid = self.valid.repeat_interleave(repeats, 0)
         self._views()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._k, self._v = self._k.index_select(0, beam_idx), self._v.index_select(0, beam_idx)
+        if self.valid is not None:
+            self.valid = self.valid.index_select(0, beam_idx)
         self._views()
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
@@ -122,6 +136,8 @@ class _PreallocatedLayer(DynamicLayer):
         (indices[j] >= j), so no row is overwritten before it has been moved.
         """
         rows = indices.tolist()
+        if self.valid is not None:
+            self.valid = self.valid[indices]
         if any(b <= a for a, b in itertools.pairwise(rows)):  # not ascending: plain copy
             self._k, self._v = self._k[indices], self._v[indices]
             self._views()
@@ -174,17 +190,27 @@ def build_cache(model: PreTrainedModel, kv: list[tuple[torch.Tensor, torch.Tenso
 
 
 def cache_from_buffers(
-    model: PreTrainedModel, buffers: list[tuple[torch.Tensor, torch.Tensor]], lengths: list[int]
+    model: PreTrainedModel,
+    buffers: list[tuple[torch.Tensor, torch.Tensor]],
+    lengths: list[int],
+    valid: list[torch.Tensor | None] | None = None,
 ) -> DynamicCache:
     """A DynamicCache over preallocated per-layer buffers (B, H_kv, capacity, d) whose first
-    ``lengths[l]`` positions are filled; later tokens are written into the free room."""
+    ``lengths[l]`` positions are filled; later tokens are written into the free room.
+
+    ``valid[l]`` (B,), where given, says how many of those positions each row really holds
+    (the rest is padding, masked inside :func:`~learnroute._hf.attention.padded_keys`).
+    """
     cache = DynamicCache(config=model.config)
-    for layer_idx, ((kb, vb), n) in enumerate(zip(buffers, lengths)):
+    valid = valid or [None] * len(buffers)
+    for layer_idx, ((kb, vb), n, ok) in enumerate(zip(buffers, lengths, valid)):
         if type(cache.layers[layer_idx]) is not DynamicLayer:
+            if ok is not None:
+                raise ValueError(f"layer {layer_idx} keeps a sliding window: its rows cannot be padded")
             # Sliding-window layers keep their own bookkeeping: hand them the tokens instead.
             cache.update(kb[:, :, :n], vb[:, :, :n], layer_idx)
         else:
-            cache.layers[layer_idx] = _PreallocatedLayer(kb, vb, n)
+            cache.layers[layer_idx] = _PreallocatedLayer(kb, vb, n, ok)
     return cache
 
 
