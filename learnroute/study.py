@@ -82,12 +82,13 @@ class StudyConfig:
     )
     main_variant: str = field(default="learned", metadata={"help": "the variant questions 1-5 are asked of"})
     mixture_of: list[str] = field(default_factory=list, metadata={"help": "variants also exported as mixture routes"})
-    per_budget: bool = field(default=False, metadata={"help": "also train the main variant once per budget"})
+    per_budget: bool = field(default=False, metadata={"help": "also train the main variant once per budget (each benched at its own budget only)"})
     placements: int = field(default=20, metadata={"help": "random placements of the main learned route"})
     placement_budget: Budget | None = field(default=None, metadata={"help": "its budget (null = the first budget)"})
-    placement_variant: str | None = field(
+    placement_variant: str | list[str] | None = field(
         default=None,
-        metadata={"help": "the variant whose placement is studied (null = main_variant; a one-method route has none)"},
+        metadata={"help": "the variant whose placement is studied, or a list: the first whose route has two or "
+                          "more methods (a one-method route has no placement); null = main_variant"},
     )
     bootstrap: int = field(default=2000, metadata={"help": "bootstrap resamples for the paired intervals"})
     max_new_tokens: int | None = field(default=None, metadata={"help": "answer cap; null = each task's own"})
@@ -111,8 +112,9 @@ class StudyConfig:
             problems.append(f"protocols must be a non-empty subset of {', '.join(PROTOCOLS)}, got {self.protocols}")
         if self.main_variant not in self.variants:
             problems.append(f"main_variant {self.main_variant!r} is not among the variants {list(self.variants)}")
-        if self.placement_variant is not None and self.placement_variant not in self.variants:
-            problems.append(f"placement_variant {self.placement_variant!r} is not among the variants {list(self.variants)}")
+        for v in self.placement_candidates:
+            if v not in self.variants:
+                problems.append(f"placement_variant {v!r} is not among the variants {list(self.variants)}")
         for v in self.mixture_of:
             if v not in self.variants:
                 problems.append(f"mixture_of: {v!r} is not a variant ({', '.join(self.variants)})")
@@ -164,6 +166,20 @@ class StudyConfig:
                         data[key] = self.methods[0]  # stands in until the profile exists
             out_cfgs[name] = data
         return out_cfgs
+
+    @property
+    def placement_candidates(self) -> list[str]:
+        """The variants whose placement may be studied, in order of preference."""
+        v = self.placement_variant
+        return [self.main_variant] if v is None else [v] if isinstance(v, str) else list(v)
+
+    def placement_choice(self, routes: Path) -> str | None:
+        """The first candidate whose exported route (in ``routes``) has two or more methods."""
+        for v in self.placement_candidates:
+            path = routes / f"{route_name(v)}.json"
+            if path.is_file() and len(set(Route.from_file(path).methods)) > 1:
+                return v
+        return None
 
     @property
     def profiled_budget(self) -> Budget:
@@ -252,7 +268,11 @@ def run_study(config: StudyConfig, overwrite: bool = False) -> Path:
         specs += [str(out / "profile" / f"profile_{b}{s}.json@{b}") for b in config.budgets for s in ("", "_alloc")]
     else:
         specs += [str(out / "profile" / f"profile_{pb}.json"), str(out / "profile" / f"profile_{pb}_alloc.json")]
-    specs += [str(routes / "learned*.json")]
+    for name, data in variants.items():
+        names = [route_name(name)] + ([f"{route_name(name)}_mixture"] if name in config.mixture_of else [])
+        # A variant trained for one budget (per_budget) is benched at that budget only.
+        pin = f"@{data['budgets'][0]}" if len(data["budgets"]) == 1 and data["budgets"][0] in config.budgets else ""
+        specs += [f"{routes / n}.json{pin}" for n in names]
     for protocol in config.protocols:
         log(f"stage 4/5: bench ({protocol}) on eval samples")
         run_bench(
@@ -274,15 +294,15 @@ def run_study(config: StudyConfig, overwrite: bool = False) -> Path:
         from learnroute.bench import rescale
 
         b = config.placement_budget if config.placement_budget is not None else config.budgets[0]
-        main = Route.from_file(routes / f"{route_name(config.placement_variant or config.main_variant)}.json")
-        given = out / "placement_route.json"
-        new = rescale(main, b)
-        if not given.is_file() or Route.from_file(given).to_dict() != new.to_dict():
-            new.to_file(given)
-        if len(set(main.methods)) < 2:
-            log("the learned route uses one method in every layer: no placement study (question 4 n/a; "
-                "placement_variant names another variant)")
+        chosen = config.placement_choice(routes)
+        if chosen is None:
+            log(f"the routes of {', '.join(config.placement_candidates)} use one method in every layer: no placement "
+                "study (question 4 n/a; placement_variant may name other variants)")
         else:
+            given = out / "placement_route.json"
+            new = rescale(Route.from_file(routes / f"{route_name(chosen)}.json"), b)
+            if not given.is_file() or Route.from_file(given).to_dict() != new.to_dict():
+                new.to_file(given)
             run_placement(
                 PlacementConfig(
                     route=str(given),
@@ -368,6 +388,8 @@ def analyze(folder: str | Path, rescore: bool = False) -> dict[str, Any]:
         rows = load_rows(bench, rescore=rescore)
         for r in rows:
             r["route"] = _label(r["route"])
+            if r["route"] == f"{main}_at_{r['budget']}":  # the per-budget routes, one row in the tables
+                r["route"] = f"{main}_per_budget"
         full_task, valid = solved_tasks(rows)
         all_tasks = not any(s >= VALID_FULL for s in full_task.values())  # say so in the tables
         scores = sample_scores(rows, valid)
@@ -417,7 +439,7 @@ def analyze(folder: str | Path, rescore: bool = False) -> dict[str, Any]:
     if placement.is_file():
         p = json.loads(placement.read_text())
         result["q4_placement"] = {k: p[k] for k in ("rank", "of", "ties", "given_score", "better_than_fraction")}
-        result["q4_placement"]["variant"] = route_name(config.placement_variant or config.main_variant)
+        result["q4_placement"]["variant"] = route_name(config.placement_choice(folder / "routes") or "?")
     atomic_write(folder / "study.json", json.dumps(result, indent=1) + "\n")
     atomic_write(folder / "study.md", to_markdown(result, main))
     plot_scores(result, main, folder / "scores.png")

@@ -30,8 +30,9 @@ def study_config(tmp_path, tiny_dir):
             "homog_adapter": {"learn": "none", "adapter": True, "init_method": "@profile_best", "lora_rank": 2},
         },
         "mixture_of": ["learned"],
+        "per_budget": True,
         "profile_all_budgets": True,
-        "placement_variant": "warm",
+        "placement_variant": ["warm", "learned"],
         "placements": 3,
         "bootstrap": 200,
         "max_new_tokens": 3,
@@ -58,11 +59,17 @@ def test_study_end_to_end_then_nothing_to_redo(tiny_dir, tmp_path, monkeypatch, 
         for b in budgets:
             assert b["q1_vs_best_homogeneous"]["n"] == 4  # paired over the 4 eval samples
             assert set(b["q6_variants"]) == {
-                "learned_budgets_only", "learned_warm", "learned_mixture", "learned_homog_adapter"
+                "learned_budgets_only", "learned_warm", "learned_mixture", "learned_homog_adapter",
+                "learned_per_budget",  # learned@0.25 at 0.25, learned@40 at 40: one row
             }
-    placed = json.loads((out / "routes" / "learned_warm.json").read_text())  # placement_variant
-    if len({layer["method"] for layer in placed["layers"]}) > 1:
-        assert result["q4_placement"]["of"] == 4 and result["q4_placement"]["variant"] == "learned_warm"
+    # placement_variant: the first of warm, learned whose route has two or more methods
+    methods = {v: {layer["method"] for layer in json.loads((out / "routes" / f"{v}.json").read_text())["layers"]}
+               for v in ("learned_warm", "learned")}
+    chosen = next((v for v, m in methods.items() if len(m) > 1), None)
+    if chosen is not None:
+        assert result["q4_placement"]["of"] == 4 and result["q4_placement"]["variant"] == chosen
+        placed = json.loads((out / "placement_route.json").read_text())
+        assert {layer["method"] for layer in placed["layers"]} == methods[chosen]
     else:  # one method everywhere: no other placement exists, and the study says so
         assert "q4_placement" not in result
     # the budgets-only variant trained the profile's least damaging method in every layer
@@ -79,6 +86,10 @@ def test_study_end_to_end_then_nothing_to_redo(tiny_dir, tmp_path, monkeypatch, 
     pinned = {(r["route"].rsplit("/", 1)[-1], r["budget"]) for r in map(json.loads, rows.splitlines())
               if "/profile/" in r["route"]}
     assert pinned == {(f"profile_{b}{s}.json", b) for b in (0.25, 40) for s in ("", "_alloc")}
+    # per_budget: each budget's own route runs at that budget only
+    own = {(r["route"].rsplit("/", 1)[-1], r["budget"]) for r in map(json.loads, rows.splitlines())
+           if "learned_at_" in r["route"]}
+    assert own == {("learned_at_0.25.json", 0.25), ("learned_at_40.json", 40)}
 
     # Again: every stage is found finished; no prefill, no training step.
     from learnroute.engine import Engine
@@ -135,3 +146,17 @@ def test_bad_study_config_is_one_error(tmp_path):
     msg = str(e.value)
     for part in ("protocols must be", "main_variant 'nope'", "the study sets those", "unknown task 'nosuch'"):
         assert part in msg, part
+
+
+def test_placement_goes_to_the_first_listed_variant_with_two_methods(tmp_path):
+    from learnroute import Route
+
+    Route.homogeneous("snapkv", 4, 0.2).to_file(tmp_path / "learned_one.json")
+    Route.from_layers(["snapkv", "tova", "tova", "knorm"], 0.2).to_file(tmp_path / "learned_mixed.json")
+    variants = {"learned": {}, "one": {}, "mixed": {}}
+    cfg = S.StudyConfig(variants=variants, placement_variant=["one", "mixed"])
+    assert cfg.placement_choice(tmp_path) == "mixed"
+    assert S.StudyConfig(variants=variants, placement_variant="one").placement_choice(tmp_path) is None
+    assert S.StudyConfig(variants=variants).placement_candidates == ["learned"]
+    with pytest.raises(ConfigError, match="placement_variant 'nope'"):
+        load_config(S.StudyConfig, overrides=["placement_variant=[one, nope]", "variants={learned: {}, one: {}}"])
