@@ -153,7 +153,9 @@ class Engine:
     ``method_options`` passes constructor arguments per method name
     (e.g. ``{"snapkv": {"window_size": 32}}``); ``max_padding`` lets routes of different
     kept counts decode together when padding them costs at most that factor in cache size
-    (:func:`pack_batches`; 1 = identical shapes only).
+    (:func:`pack_batches`; 1 = identical shapes only); ``park_after``: when routes need
+    several batches, answers still unfinished after that many tokens are set aside and
+    finished together in fresh batches (None: every batch decodes to its end).
     """
 
     def __init__(
@@ -166,11 +168,14 @@ class Engine:
         max_batch: int = 32,
         method_options: dict[str, dict] | None = None,
         max_padding: float = 4.0,
+        park_after: int | None = 12,
     ) -> None:
         if max_padding < 1:
             raise ValueError(f"max_padding must be >= 1 (1 = batch identical shapes only), got {max_padding}")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if park_after is not None and park_after < 1:
+            raise ValueError(f"park_after must be >= 1 or None, got {park_after}")
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.model = model
@@ -179,6 +184,7 @@ class Engine:
         self.query_aware = query_aware
         self.max_batch = max_batch
         self.max_padding = max_padding
+        self.park_after = park_after
         self.method_options = method_options or {}
         self._methods: dict[str, Method] = {}
         self._adapters: dict[Path, _adapter.Adapter] = {}
@@ -405,6 +411,19 @@ class Engine:
 
     # ------------------------------------------------------------------ decode
 
+    def _stops(self, stop_token_ids: tuple[int, ...]) -> torch.Tensor:
+        """Token ids that end an answer: the model's EOS and ``stop_token_ids``."""
+        ids = [*_hf.eos_token_ids(self.model), *stop_token_ids]
+        return torch.tensor(ids, dtype=torch.long, device=self.model.device)
+
+    @staticmethod
+    def _greedy(logits: torch.Tensor, produced: int, stops: torch.Tensor, min_new_tokens: int) -> torch.Tensor:
+        """The next token per row (R, vocab) -> (R,); stop tokens are barred until
+        ``min_new_tokens`` tokens exist (transformers' ``min_new_tokens``)."""
+        if produced < min_new_tokens and len(stops):
+            logits = logits.index_fill(-1, stops, float("-inf"))
+        return logits.argmax(-1)
+
     @torch.no_grad()
     def _decode(
         self,
@@ -415,50 +434,138 @@ class Engine:
         max_new_tokens: int,
         stop_token_ids: tuple[int, ...] = (),
         min_new_tokens: int = 0,
+        park_after: int | None = None,
     ):
         """Greedy decoding for ``n_rows`` rows sharing one question; original positions.
 
-        Rows that have produced EOS (or a ``stop_token_ids`` token) leave the batch (their
-        cache rows are dropped), so a batch costs what its unfinished rows cost. Until
-        ``min_new_tokens`` tokens exist, stop tokens cannot be chosen (transformers'
-        ``min_new_tokens``).
+        Returns (tokens per row, first-token logits (R, vocab), parked): with
+        ``park_after``, rows still unfinished once that many tokens exist are handed back
+        as (row, next token, keys/values per layer without padding) for :meth:`_resume`.
         """
         device = self.model.device
         q = question_ids.shape[1]
         ids = question_ids.to(device).expand(n_rows, q)  # (R, q)
         pos = torch.arange(n_ctx, n_ctx + q, device=device).unsqueeze(0).expand(n_rows, q)  # (R, q)
-        eos = torch.tensor([*_hf.eos_token_ids(self.model), *stop_token_ids], dtype=torch.long, device=device)
-
-        def greedy(logits: torch.Tensor, produced: int) -> torch.Tensor:  # (R, vocab) -> (R,)
-            if produced < min_new_tokens and len(eos):
-                logits = logits.index_fill(-1, eos, float("-inf"))
-            return logits.argmax(-1)
-
-        rows: list[list[int]] = [[] for _ in range(n_rows)]
-        alive = torch.arange(n_rows, device=device)  # original row of each batch row
-        done = torch.zeros(n_rows, dtype=torch.bool, device=device)  # batch rows that have produced EOS
+        stops = self._stops(stop_token_ids)
         with _hf.padded_keys(self.model, cache):  # also route-aware attention
             first_logits = _hf.forward_tokens(self.model, cache, ids, pos, keep=1)[:, -1].float()  # (R, vocab)
-            nxt = greedy(first_logits, 0)  # (R,)
-            next_pos = n_ctx + q
-            for step in range(max_new_tokens):
-                for row, tok, finished in zip(alive.tolist(), nxt.tolist(), done.tolist()):
-                    if not finished:
-                        rows[row].append(tok)  # up to and including EOS, as kvpress does
-                done |= torch.isin(nxt, eos)
-                if step == max_new_tokens - 1 or bool(done.all()):
-                    break
-                # Dropping finished rows copies every unfinished row's cache; that pays off
-                # only once enough rows have finished (their tokens are ignored until then).
-                if 2 * int(done.sum()) >= len(alive):
-                    keep = ~done
-                    _hf.keep_rows(cache, keep.nonzero().squeeze(1))
-                    alive, nxt, done = alive[keep], nxt[keep], done[keep]
-                step_pos = torch.full((len(alive), 1), next_pos, dtype=torch.long, device=device)  # (R_alive, 1)
+            nxt = self._greedy(first_logits, 0, stops, min_new_tokens)  # (R,)
+            rows, left = self._steps(cache, nxt, n_ctx + q, max_new_tokens, stops, min_new_tokens, park_after)
+        parked = None
+        if left is not None:
+            rows_left, nxt_left, batch_rows = left
+            parked = list(zip(rows_left.tolist(), nxt_left.tolist(), self._unpadded_rows(cache, batch_rows)))
+        return rows, first_logits, parked
+
+    def _steps(
+        self,
+        cache,
+        nxt: torch.Tensor,
+        next_pos: int,
+        max_new_tokens: int,
+        stops: torch.Tensor,
+        min_new_tokens: int,
+        park_after: int | None = None,
+        produced: int = 0,
+    ):
+        """Greedy steps from ``nxt`` (R,), the tokens just chosen, the ``produced + 1``-th of
+        each row, fed at position ``next_pos``.
+
+        Rows that have produced a stop token leave the batch (their cache rows are
+        dropped), so a batch costs what its unfinished rows cost. Returns (new tokens per
+        row, None), or with ``park_after``, once that many tokens exist and some rows are
+        unfinished: (tokens so far, (their rows, their next tokens, their batch rows)).
+        """
+        device = self.model.device
+        n_rows = len(nxt)
+        rows: list[list[int]] = [[] for _ in range(n_rows)]
+        alive = torch.arange(n_rows, device=device)  # original row of each batch row
+        done = torch.zeros(n_rows, dtype=torch.bool, device=device)  # batch rows that have produced a stop
+        while True:
+            for row, tok, finished in zip(alive.tolist(), nxt.tolist(), done.tolist()):
+                if not finished:
+                    rows[row].append(tok)  # up to and including EOS, as kvpress does
+            done |= torch.isin(nxt, stops)
+            produced += 1
+            if produced >= max_new_tokens or bool(done.all()):
+                return rows, None
+            if park_after is not None and produced >= park_after:
+                keep = (~done).nonzero().squeeze(1)  # (R_left,)
+                return rows, (alive[keep], nxt[keep], keep)
+            # Dropping finished rows copies every unfinished row's cache; that pays off
+            # only once enough rows have finished (their tokens are ignored until then).
+            if 2 * int(done.sum()) >= len(alive):
+                keep = ~done
+                _hf.keep_rows(cache, keep.nonzero().squeeze(1))
+                alive, nxt, done = alive[keep], nxt[keep], done[keep]
+            step_pos = torch.full((len(alive), 1), next_pos, dtype=torch.long, device=device)  # (R_alive, 1)
+            out = self.model(input_ids=nxt.unsqueeze(1), past_key_values=cache, position_ids=step_pos)
+            nxt = self._greedy(out.logits[:, -1], produced, stops, min_new_tokens)
+            next_pos += 1
+
+    @staticmethod
+    def _unpadded_rows(cache, batch_rows: torch.Tensor) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Per batch row, per layer, its keys/values (H_kv, n_l, d) without padding: its own
+        context tokens, then the question and answer tokens. Copies (the batch's buffers
+        are reused by the next batch)."""
+        out = []
+        for j in batch_rows.tolist():
+            per_layer = []
+            for layer in cache.layers:
+                k, v = layer.keys[j], layer.values[j]  # (H_kv, L, d)
+                valid = getattr(layer, "valid", None)
+                if valid is not None:  # [own tokens | padding | new tokens] -> [own | new]
+                    own, end = int(valid[j]), layer.pad_end
+                    k = torch.cat([k[:, :own], k[:, end:]], dim=1)  # (H_kv, own + new, d)
+                    v = torch.cat([v[:, :own], v[:, end:]], dim=1)
+                else:
+                    k, v = k.clone(), v.clone()
+                per_layer.append((k, v))
+            out.append(per_layer)
+        return out
+
+    @torch.no_grad()
+    def _resume(
+        self,
+        parked: list[tuple[int, int, list[tuple[torch.Tensor, torch.Tensor]]]],
+        next_pos: int,
+        produced: int,
+        max_new_tokens: int,
+        stops: torch.Tensor,
+        min_new_tokens: int,
+    ) -> list[list[int]]:
+        """Go on decoding parked rows (from any batches, same question, ``produced`` tokens
+        each, next fed at ``next_pos``) in new batches; their new tokens, in order."""
+        shapes = [[k.shape[1] for k, _ in kv] for _, _, kv in parked]
+        extra = max_new_tokens - produced  # tokens each row may still feed
+        tokens: list[list[int]] = [[] for _ in parked]
+        for batch in pack_batches(shapes, self.max_batch, self.max_padding):
+            longest = padded_shape([shapes[i] for i in batch])
+            buffers, valid = [], []
+            for layer, n in enumerate(longest):
+                k0, v0 = parked[batch[0]][2][layer]
+                # Zeros, not garbage: a masked key still enters q.k, and a NaN there would
+                # survive the mask (NaN + -inf is NaN).
+                kb = k0.new_zeros(len(batch), k0.shape[0], n + extra, k0.shape[-1])  # (R, H_kv, n + extra, d)
+                vb = v0.new_zeros(len(batch), v0.shape[0], n + extra, v0.shape[-1])
+                for r, i in enumerate(batch):
+                    k, v = parked[i][2][layer]
+                    kb[r, :, : k.shape[1]] = k
+                    vb[r, :, : v.shape[1]] = v
+                buffers.append((kb, vb))
+                own = [shapes[i][layer] for i in batch]
+                valid.append(None if min(own) == n else torch.tensor(own, dtype=torch.long, device=kb.device))  # (R,)
+            cache = _hf.cache_from_buffers(self.model, buffers, longest, valid)
+            nxt = torch.tensor([parked[i][1] for i in batch], dtype=torch.long, device=self.model.device)  # (R,)
+            with _hf.padded_keys(self.model, cache):
+                # The parked rows' last tokens are already in their answers: feed them first.
+                step_pos = torch.full((len(batch), 1), next_pos, dtype=torch.long, device=nxt.device)  # (R, 1)
                 out = self.model(input_ids=nxt.unsqueeze(1), past_key_values=cache, position_ids=step_pos)
-                nxt = greedy(out.logits[:, -1], step + 1)
-                next_pos += 1
-        return rows, first_logits
+                nxt = self._greedy(out.logits[:, -1], produced, stops, min_new_tokens)
+                rows, _ = self._steps(cache, nxt, next_pos + 1, max_new_tokens, stops, min_new_tokens, None, produced)
+            for i, toks in zip(batch, rows):
+                tokens[i] = toks
+        return tokens
 
     def answer(
         self,
@@ -500,13 +607,21 @@ class Engine:
             for key, members in by_adapter.items()
             for batch in pack_batches([counts[i] for i in members], self.max_batch, self.max_padding)
         ]
-        results: list[RouteResult | None] = [None] * len(routes)
         max_new = max_new_tokens or self.max_new_tokens
         extra = prefill.prompt.question_ids.shape[1] + max_new  # tokens each layer's cache grows by
         workspace = cap0.keys.new_empty(
             max(len(b) * per_row * (sum(padded_shape([counts[i] for i in b])) + extra * len(counts[b[0]]))
                 for _, b in batches)
         )
+        q = prefill.prompt.question_ids.shape[1]
+        # Park unfinished rows after park_after tokens and finish them together (see _resume):
+        # a batch's last few long answers would otherwise step on alone, batch by batch.
+        park = self.park_after if len(batches) > 1 and not any(_hf.windowed_layers(self.model)) else None
+        stop_ids = tuple(stop_token_ids)
+        tokens: list[list[int]] = [[] for _ in routes]
+        logits: list[torch.Tensor | None] = [None] * len(routes)
+        seconds = [0.0] * len(routes)
+        parked: dict[Path | None, list] = defaultdict(list)  # adapter -> [(route index, next token, kv)]
         needed = [a for a in adapters.values() if a is not None]
         with _adapter.attached(self.model, needed) if needed else contextlib.nullcontext():
             for key, batch in batches:
@@ -514,23 +629,37 @@ class Engine:
                     t0 = time.perf_counter()
                     cache = self._decode_cache(prefill, [routes[i] for i in batch], [counts[i] for i in batch],
                                                extra, workspace)
-                    rows, logits = self._decode(
-                        cache, prefill.prompt.question_ids, n, len(batch), max_new, tuple(stop_token_ids),
-                        min_new_tokens,
+                    rows, first, left = self._decode(
+                        cache, prefill.prompt.question_ids, n, len(batch), max_new, stop_ids, min_new_tokens, park
                     )
+                    parked[key] += [(batch[row], tok, kv) for row, tok, kv in left or []]
                 share = (time.perf_counter() - t0) / len(batch)
                 for j, (i, toks) in enumerate(zip(batch, rows)):
-                    results[i] = RouteResult(
-                        route=routes[i],
-                        answer=self.tokenizer.decode(toks, skip_special_tokens=True),
-                        token_ids=toks,
-                        kept_per_layer=counts[i],
-                        kv_bytes=per_token * sum(counts[i]),
-                        full_kv_bytes=full_bytes,
-                        first_logits=logits[j].clone() if keep_logits else None,
-                        seconds=share,
-                    )
-        return results  # type: ignore[return-value]
+                    tokens[i], seconds[i] = toks, share
+                    logits[i] = first[j].clone() if keep_logits else None
+            for key, items in parked.items():
+                if not items:
+                    continue
+                with _adapter.using(self.model, adapters[key]):
+                    t0 = time.perf_counter()
+                    tails = self._resume(items, n + q + park - 1, park, max_new, self._stops(stop_ids), min_new_tokens)
+                share = (time.perf_counter() - t0) / len(items)
+                for (i, _, _), toks in zip(items, tails):
+                    tokens[i] = tokens[i] + toks
+                    seconds[i] += share
+        return [
+            RouteResult(
+                route=route,
+                answer=self.tokenizer.decode(tokens[i], skip_special_tokens=True),
+                token_ids=tokens[i],
+                kept_per_layer=counts[i],
+                kv_bytes=per_token * sum(counts[i]),
+                full_kv_bytes=full_bytes,
+                first_logits=logits[i],
+                seconds=seconds[i],
+            )
+            for i, route in enumerate(routes)
+        ]
 
     def run(
         self, context: str, question: str, routes: list[Route], answer_prefix: str = "", keep_logits: bool = False

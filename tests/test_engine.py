@@ -367,3 +367,42 @@ def test_padded_rows_that_stop_early_leave_the_batch_with_their_padding(tokenize
     single = Engine(model, tokenizer, max_new_tokens=8, max_batch=1).run(sample.context, sample.question, routes)
     assert [r.token_ids for r in batched] == [r.token_ids for r in single]
     assert any(len(r.token_ids) == 1 for r in batched) and any(len(r.token_ids) > 1 for r in batched)
+
+
+@pytest.mark.parametrize("padding", [1.0, 100.0])
+def test_parked_answers_finish_like_uninterrupted_decoding(tokenizer, sample, padding, monkeypatch):
+    """Rows still decoding after park_after tokens leave their batch and finish in new
+    batches with other batches' rows: the answers equal decoding each route alone."""
+    model = make_tiny(tokenizer, seed=5)
+    routes = _shaped_routes() + [Route.homogeneous(m, 4, b) for m in ("tova", "knorm") for b in (0.3, 12)]
+    alone = Engine(model, tokenizer, max_new_tokens=10, max_batch=1, park_after=None)
+    pre = alone.prefill(alone.encode(sample.context, sample.question))
+    ref = alone.answer(pre, routes, keep_logits=True)
+    stop = ref[1].token_ids[4]  # a token some answers produce mid-way: they end before or after parking
+    monkeypatch.setattr(model.generation_config, "eos_token_id", stop)
+    ref = alone.answer(pre, routes, keep_logits=True)
+    resumed = []
+    original = Engine._resume
+
+    def spy(self, parked, *a, **k):
+        resumed.append(len(parked))
+        return original(self, parked, *a, **k)
+
+    monkeypatch.setattr(Engine, "_resume", spy)
+    engine = Engine(model, tokenizer, max_new_tokens=10, max_batch=3, max_padding=padding, park_after=3)
+    got = engine.answer(pre, routes, keep_logits=True)
+    assert resumed and resumed[0] >= 2  # rows of several batches were parked and finished together
+    assert any(len(r.token_ids) <= 3 for r in ref) and any(len(r.token_ids) > 3 for r in ref)
+    for a, b in zip(ref, got):
+        assert b.token_ids == a.token_ids and b.answer == a.answer
+        torch.testing.assert_close(b.first_logits, a.first_logits, rtol=1e-4, atol=1e-4)
+    # and against the independent reference for one parked route
+    i = next(j for j, r in enumerate(ref) if len(r.token_ids) > 3)
+    c = alone.kept_counts(routes[i], pre.n_tokens)
+    kept = [alone.kept_indices(pre, layer, e.method, k) for layer, (e, k) in enumerate(zip(routes[i].layers, c))]
+    assert got[i].token_ids == greedy_from_kept(model, pre, kept, 10)
+
+
+def test_park_after_must_be_positive(tiny, tokenizer):
+    with pytest.raises(ValueError, match="park_after must be >= 1"):
+        Engine(tiny, tokenizer, park_after=0)

@@ -223,7 +223,8 @@ def padded_keys(model: PreTrainedModel, cache: DynamicCache) -> Iterator[None]:
 
     Inside the scope every forward over ``cache`` masks each row's padding slots; rows
     dropped or reordered on the cache keep their padding (it lives on the cache layers).
-    Switches to route-aware attention too.
+    Padding slots must hold finite values: a masked key still enters q.k, and NaN + -inf
+    is NaN. Switches to route-aware attention too.
     """
     modules = attention_modules(model)
     try:
