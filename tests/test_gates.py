@@ -316,6 +316,31 @@ def test_run_folder_resume_and_same_gates_as_uninterrupted(tiny_dir, tmp_path, m
     assert rows == list(range(1, 7))  # nothing logged twice after the resume
 
 
+def test_a_second_run_on_the_same_samples_reuses_their_prefills(tiny_dir, tmp_path, monkeypatch):
+    """A study trains many variants in one process: the calibration prefills are made once,
+    and a run from reused ones ends with the same gates as one that prefilled."""
+    from learnroute.engine import Engine
+
+    T._ITEMS.clear()
+    for d in ("a", "b", "c"):
+        (tmp_path / d).mkdir()
+    assert train(write_config(tmp_path / "a", tiny_dir, steps=3, save_every=3)) == 0
+    monkeypatch.setattr(Engine, "prefill", lambda *a, **k: (_ for _ in ()).throw(AssertionError("prefilled again")))
+    assert train(write_config(tmp_path / "b", tiny_dir, steps=3, save_every=3, lr=0.05)) == 0
+    a, _ = T.load_gates(tmp_path / "a" / "run" / "gates.safetensors")
+    b, _ = T.load_gates(tmp_path / "b" / "run" / "gates.safetensors")
+    assert not torch.equal(a["theta"], b["theta"])  # a real second run (its lr differs)
+    # another method set needs other scores: the cache must not serve it
+    with pytest.raises(AssertionError, match="prefilled again"):
+        train(write_config(tmp_path / "c", tiny_dir, steps=3, methods=["snapkv", "tova"]))
+    T._ITEMS.clear()
+    monkeypatch.undo()
+    (tmp_path / "d").mkdir()
+    assert train(write_config(tmp_path / "d", tiny_dir, steps=3, save_every=3, lr=0.05)) == 0
+    d, _ = T.load_gates(tmp_path / "d" / "run" / "gates.safetensors")
+    assert torch.equal(b["theta"], d["theta"]) and torch.equal(b["beta"], d["beta"])  # reused = fresh prefills
+
+
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tiny_dir, tmp_path, monkeypatch):
     cfg = write_config(tmp_path, tiny_dir)
     real = T.answer_loss
