@@ -122,8 +122,8 @@ def padded_shape(shapes: list[list[int]]) -> list[int]:
 def pack_batches(shapes: list[list[int]], max_batch: int, max_padding: float) -> list[list[int]]:
     """Group routes (their kept counts per layer, ``shapes``) into decode batches.
 
-    Batching is what makes many routes cheap: on 2 CPU cores a decode step of SmolLM2-135M
-    costs about 65 ms for one row and 145 ms for 32 (``benchmarks/engine.py``). Routes are
+    Batching is what makes many routes cheap: on 2 CPU cores a greedy step of SmolLM2-135M
+    costs about 50 ms for one row and 163 ms for 32 (``benchmarks/cpu_floor.py``). Routes are
     taken in order of total kept tokens (identical shapes next to each other); a batch
     closes at ``max_batch`` rows, or before a route that would make the batch's padded
     cache (per layer, the longest row) more than ``max_padding`` times its smallest
