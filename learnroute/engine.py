@@ -119,6 +119,14 @@ def padded_shape(shapes: list[list[int]]) -> list[int]:
     return [max(per_layer) for per_layer in zip(*shapes)]
 
 
+def row_lengths(per_row: list[int] | tuple[int, ...], device) -> torch.Tensor | None:
+    """One layer's kept tokens per batch row as a (R,) tensor for the padding mask, or None
+    when every row keeps the same number (no padding in that layer)."""
+    if min(per_row) == max(per_row):
+        return None
+    return torch.tensor(per_row, dtype=torch.long, device=device)  # (R,)
+
+
 def pack_batches(shapes: list[list[int]], max_batch: int, max_padding: float) -> list[list[int]]:
     """Group routes (their kept counts per layer, ``shapes``) into decode batches.
 
@@ -190,6 +198,8 @@ class Engine:
         self._adapters: dict[Path, _adapter.Adapter] = {}
         self.n_layers = len(_hf.attention_modules(model))
         self._local = _hf.local_attention_layers(model)  # never compressed (Gemma3's local layers)
+        # Parked rows are re-laid out from plain buffers, which sliding-window caches are not.
+        self._windowed = any(_hf.windowed_layers(model))
 
     # ------------------------------------------------------------------ set-up
 
@@ -401,13 +411,9 @@ class Engine:
         cost more than filling them).
         """
         buffers = self._kept_kv(prefill, routes, counts, extra, workspace)
-        lengths, valid = [], []
-        device = self.model.device
-        for per_route in zip(*counts):  # one layer's count per route
-            lengths.append(max(per_route))
-            same = min(per_route) == max(per_route)
-            valid.append(None if same else torch.tensor(per_route, dtype=torch.long, device=device))  # (R,)
-        return _hf.cache_from_buffers(self.model, buffers, lengths, valid)
+        per_layer = list(zip(*counts))  # one layer's count per route
+        valid = [row_lengths(c, self.model.device) for c in per_layer]
+        return _hf.cache_from_buffers(self.model, buffers, padded_shape(counts), valid)
 
     # ------------------------------------------------------------------ decode
 
@@ -554,7 +560,7 @@ class Engine:
                     vb[r, :, : v.shape[1]] = v
                 buffers.append((kb, vb))
                 own = [shapes[i][layer] for i in batch]
-                valid.append(None if min(own) == n else torch.tensor(own, dtype=torch.long, device=kb.device))  # (R,)
+                valid.append(row_lengths(own, kb.device))
             cache = _hf.cache_from_buffers(self.model, buffers, longest, valid)
             nxt = torch.tensor([parked[i][1] for i in batch], dtype=torch.long, device=self.model.device)  # (R,)
             with _hf.padded_keys(self.model, cache):
@@ -608,15 +614,15 @@ class Engine:
             for batch in pack_batches([counts[i] for i in members], self.max_batch, self.max_padding)
         ]
         max_new = max_new_tokens or self.max_new_tokens
-        extra = prefill.prompt.question_ids.shape[1] + max_new  # tokens each layer's cache grows by
+        q = prefill.prompt.question_ids.shape[1]
+        extra = q + max_new  # tokens each layer's cache grows by
         workspace = cap0.keys.new_empty(
             max(len(b) * per_row * (sum(padded_shape([counts[i] for i in b])) + extra * len(counts[b[0]]))
                 for _, b in batches)
         )
-        q = prefill.prompt.question_ids.shape[1]
         # Park unfinished rows after park_after tokens and finish them together (see _resume):
         # a batch's last few long answers would otherwise step on alone, batch by batch.
-        park = self.park_after if len(batches) > 1 and not any(_hf.windowed_layers(self.model)) else None
+        park = self.park_after if len(batches) > 1 and not self._windowed else None
         stop_ids = tuple(stop_token_ids)
         tokens: list[list[int]] = [[] for _ in routes]
         logits: list[torch.Tensor | None] = [None] * len(routes)
