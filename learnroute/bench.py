@@ -19,12 +19,11 @@ import glob
 import json
 import sys
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 
 from learnroute.methods.registry import METHODS
 from learnroute.route import Route, RouteError, budget_problem, parse_budget
-from learnroute.runs import append_jsonl, prepare_folder, read_jsonl, result_key, wandb_run
+from learnroute.runs import append_jsonl, prepare_folder, process_state, read_jsonl, result_key, wandb_run
 from learnroute.tasks.suite import check_tasks, load_tasks
 
 Budget = int | float
@@ -63,6 +62,11 @@ class BenchConfig:
     seed: int = field(default=0, metadata={"help": "seed of the eval sample stream"})
     max_new_tokens: int | None = field(
         default=None, metadata={"help": "cap on answer tokens; null = each task's own (RULER / LongBench)"}
+    )
+    stop_at_final_score: bool = field(
+        default=False,
+        metadata={"help": "end an answer once its score can no longer change (RULER's string_match_all/part "
+                          "with every reference found); the same scores, shorter predictions, fewer steps"},
     )
     max_batch: int = field(default=32, metadata={"help": "most routes decoded as one batch"})
     max_padding: float = field(
@@ -260,18 +264,15 @@ def resolve_routes(config: BenchConfig, n_layers: int, model: str) -> list[Cell]
 def run_bench(config: BenchConfig, overwrite: bool = False) -> Path:
     """Evaluate every cell on every sample (this process's shard); returns the run folder."""
     import torch
-    from accelerate import PartialState
     from tqdm import tqdm
 
     from learnroute import _hf
     from learnroute.engine import Engine
     from learnroute.models import load_model, model_name
     from learnroute.report import summarize
-    from learnroute.tasks.metrics import score_sample
+    from learnroute.tasks.metrics import score_is_final, score_sample
 
-    # Ranks meet at a barrier after their shards; unbalanced shards of a long run can keep
-    # one rank waiting far longer than torch's default 30-minute process-group timeout.
-    state = PartialState(cpu=not torch.cuda.is_available(), timeout=timedelta(hours=24))
+    state = process_state()  # samples are sharded across ranks (torchrun / accelerate launch)
     rank, world = state.process_index, state.num_processes
     out = prepare_folder(config, overwrite, state.is_main_process)
     state.wait_for_everyone()
@@ -319,8 +320,10 @@ def run_bench(config: BenchConfig, overwrite: bool = False) -> Path:
         prefill = engine.prefill(prompt)
         # LongBench's samsum generates with "\n" as a second EOS and at least one new token.
         stop = (newline_id,) if sample.meta.get("stop_at_newline") else ()
+        until = (lambda text, sample=sample: score_is_final(sample, text)) if config.stop_at_final_score else None
         results = engine.answer(
-            prefill, [c.route for c in todo], max_new_tokens=max_new, stop_token_ids=stop, min_new_tokens=len(stop)
+            prefill, [c.route for c in todo], max_new_tokens=max_new, stop_token_ids=stop, min_new_tokens=len(stop),
+            until=until,
         )
         rows = []
         for c, r in zip(todo, results):

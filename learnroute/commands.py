@@ -124,6 +124,10 @@ def study(argv: list[str]) -> int:
     def done(out: Path) -> str:
         import json
 
+        from learnroute.runs import process_state
+
+        if not process_state().is_main_process:  # under torchrun: rank 0 prints the answers
+            return ""
         result = json.loads((out / "study.json").read_text())
         return f"{summary_table(result)}\n\nfull answers in {out / 'study.md'}"
 

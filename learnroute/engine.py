@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -441,6 +442,7 @@ class Engine:
         stop_token_ids: tuple[int, ...] = (),
         min_new_tokens: int = 0,
         park_after: int | None = None,
+        done_if: Callable[[int, list[int]], bool] | None = None,
     ):
         """Greedy decoding for ``n_rows`` rows sharing one question; original positions.
 
@@ -456,7 +458,9 @@ class Engine:
         with _hf.padded_keys(self.model, cache):  # also route-aware attention
             first_logits = _hf.forward_tokens(self.model, cache, ids, pos, keep=1)[:, -1].float()  # (R, vocab)
             nxt = self._greedy(first_logits, 0, stops, min_new_tokens)  # (R,)
-            rows, left = self._steps(cache, nxt, n_ctx + q, max_new_tokens, stops, min_new_tokens, park_after)
+            rows, left = self._steps(
+                cache, nxt, n_ctx + q, max_new_tokens, stops, min_new_tokens, park_after, done_if=done_if
+            )
         parked = None
         if left is not None:
             rows_left, nxt_left, batch_rows = left
@@ -473,9 +477,11 @@ class Engine:
         min_new_tokens: int,
         park_after: int | None = None,
         produced: int = 0,
+        done_if: Callable[[int, list[int]], bool] | None = None,
     ):
         """Greedy steps from ``nxt`` (R,), the tokens just chosen, the ``produced + 1``-th of
-        each row, fed at position ``next_pos``.
+        each row, fed at position ``next_pos``. A row also ends once ``done_if(row, its new
+        tokens)`` is true.
 
         Rows that have produced a stop token leave the batch (their cache rows are
         dropped), so a batch costs what its unfinished rows cost. Returns (new tokens per
@@ -492,6 +498,10 @@ class Engine:
                 if not finished:
                     rows[row].append(tok)  # up to and including EOS, as kvpress does
             done |= torch.isin(nxt, stops)
+            if done_if is not None:
+                for j, (row, finished) in enumerate(zip(alive.tolist(), done.tolist())):
+                    if not finished and done_if(row, rows[row]):
+                        done[j] = True
             produced += 1
             if produced >= max_new_tokens or bool(done.all()):
                 return rows, None
@@ -539,9 +549,11 @@ class Engine:
         max_new_tokens: int,
         stops: torch.Tensor,
         min_new_tokens: int,
+        done_if: Callable[[int, list[int]], bool] | None = None,
     ) -> list[list[int]]:
         """Go on decoding parked rows (from any batches, same question, ``produced`` tokens
-        each, next fed at ``next_pos``) in new batches; their new tokens, in order."""
+        each, next fed at ``next_pos``) in new batches; their new tokens, in order.
+        ``done_if(parked row, its new tokens)`` ends a row early."""
         shapes = [[k.shape[1] for k, _ in kv] for _, _, kv in parked]
         extra = max_new_tokens - produced  # tokens each row may still feed
         tokens: list[list[int]] = [[] for _ in parked]
@@ -568,7 +580,10 @@ class Engine:
                 step_pos = torch.full((len(batch), 1), next_pos, dtype=torch.long, device=nxt.device)  # (R, 1)
                 out = self.model(input_ids=nxt.unsqueeze(1), past_key_values=cache, position_ids=step_pos)
                 nxt = self._greedy(out.logits[:, -1], produced, stops, min_new_tokens)
-                rows, _ = self._steps(cache, nxt, next_pos + 1, max_new_tokens, stops, min_new_tokens, None, produced)
+                local = None if done_if is None else (lambda r, toks, batch=batch: done_if(batch[r], toks))
+                rows, _ = self._steps(
+                    cache, nxt, next_pos + 1, max_new_tokens, stops, min_new_tokens, None, produced, local
+                )
             for i, toks in zip(batch, rows):
                 tokens[i] = toks
         return tokens
@@ -581,9 +596,14 @@ class Engine:
         max_new_tokens: int | None = None,
         stop_token_ids: tuple[int, ...] = (),
         min_new_tokens: int = 0,
+        until: Callable[[str], bool] | None = None,
     ) -> list[RouteResult]:
         """Decode the question under every route; routes of similar kept counts share a batch
         (:func:`pack_batches`: padded to the longest per layer, padding masked).
+
+        ``until(answer so far)``: an answer also ends once this is true of its text (the
+        bench: once its score can no longer change), which saves the steps of answers that
+        would only ramble on.
 
         Per-sample options: ``max_new_tokens`` overrides the engine's cap (per-task
         limits); ``stop_token_ids`` end an answer like EOS does (kept in ``token_ids``);
@@ -628,6 +648,10 @@ class Engine:
         logits: list[torch.Tensor | None] = [None] * len(routes)
         seconds = [0.0] * len(routes)
         parked: dict[Path | None, list] = defaultdict(list)  # adapter -> [(route index, next token, kv)]
+
+        def ended(toks: list[int]) -> bool:  # the text the answer will have, as below
+            return until(self.tokenizer.decode(toks, skip_special_tokens=True))
+
         needed = [a for a in adapters.values() if a is not None]
         with _adapter.attached(self.model, needed) if needed else contextlib.nullcontext():
             for key, batch in batches:
@@ -635,8 +659,10 @@ class Engine:
                     t0 = time.perf_counter()
                     cache = self._decode_cache(prefill, [routes[i] for i in batch], [counts[i] for i in batch],
                                                extra, workspace)
+                    done_if = None if until is None else (lambda r, toks: ended(toks))
                     rows, first, left = self._decode(
-                        cache, prefill.prompt.question_ids, n, len(batch), max_new, stop_ids, min_new_tokens, park
+                        cache, prefill.prompt.question_ids, n, len(batch), max_new, stop_ids, min_new_tokens, park,
+                        done_if,
                     )
                     parked[key] += [(batch[row], tok, kv) for row, tok, kv in left or []]
                 share = (time.perf_counter() - t0) / len(batch)
@@ -648,7 +674,10 @@ class Engine:
                     continue
                 with _adapter.using(self.model, adapters[key]):
                     t0 = time.perf_counter()
-                    tails = self._resume(items, n + q + park - 1, park, max_new, self._stops(stop_ids), min_new_tokens)
+                    done_if = None if until is None else (lambda r, toks, items=items: ended(tokens[items[r][0]] + toks))
+                    tails = self._resume(
+                        items, n + q + park - 1, park, max_new, self._stops(stop_ids), min_new_tokens, done_if
+                    )
                 share = (time.perf_counter() - t0) / len(items)
                 for (i, _, _), toks in zip(items, tails):
                     tokens[i] = tokens[i] + toks

@@ -25,7 +25,7 @@ from typing import Any
 import yaml
 
 from learnroute.bench import BenchConfig, run_bench
-from learnroute.runs import atomic_write, prepare_folder
+from learnroute.runs import atomic_write, prepare_folder, process_state
 from learnroute.config import to_dict
 from learnroute.route import Route, RouteError
 
@@ -49,6 +49,9 @@ class PlacementConfig:
     seed: int = field(default=0, metadata={"help": "seed of the eval sample stream"})
     max_new_tokens: int | None = field(default=None, metadata={"help": "answer token cap; null = per task"})
     max_batch: int = field(default=32, metadata={"help": "most same-shape routes decoded as one batch"})
+    stop_at_final_score: bool = field(
+        default=False, metadata={"help": "end an answer once its score can no longer change (bench's option)"}
+    )
     longbench_dir: str | None = field(default=None, metadata={"help": "folder of LongBench JSONL files"})
     output: str = field(default="runs/placement", metadata={"help": "run folder"})
 
@@ -85,6 +88,7 @@ class PlacementConfig:
             seed=self.seed,
             max_new_tokens=self.max_new_tokens,
             max_batch=self.max_batch,
+            stop_at_final_score=self.stop_at_final_score,
             longbench_dir=self.longbench_dir,
             output=str(out),
         )
@@ -189,11 +193,20 @@ def run_placement(config: PlacementConfig, overwrite: bool = False) -> Path:
     if len(placements) < config.n_placements:
         print(f"note: only {len(placements)} distinct placements exist for these method counts")
     bench = config.bench_config()
-    # Check (or, with overwrite, move aside) the folder before writing route files into it.
-    prepare_folder(bench, overwrite, is_main=True)
-    _write_routes(out / "routes", given, placements)
-    atomic_write(out / "placement.yaml", yaml.safe_dump(to_dict(config), sort_keys=False))
+    # Under torchrun the bench shards the samples; rank 0 alone writes files (the others
+    # draw the same placements, so they read the same route files).
+    state = process_state()
+    if state.is_main_process:
+        # Check (or, with overwrite, move aside) the folder before writing route files into it.
+        prepare_folder(bench, overwrite, is_main=True)
+        _write_routes(out / "routes", given, placements)
+        atomic_write(out / "placement.yaml", yaml.safe_dump(to_dict(config), sort_keys=False))
+    else:
+        prepare_folder(bench, overwrite, is_main=False)  # a different config: every rank refuses
+    state.wait_for_everyone()
     run_bench(bench)
+    if not state.is_main_process:
+        return out
     table = aggregate(load_rows(out))
     scores = {t["route"]: t["score"] for t in table if t["task"] == AVG and t["route"] != "full"}
     full = next((t["score"] for t in table if t["task"] == AVG and t["route"] == "full"), None)

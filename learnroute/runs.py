@@ -20,7 +20,9 @@ from learnroute.config import ConfigError, to_dict
 
 # Config fields that do not change any result (batching changes float summation order at
 # most): a rerun may change them and still resume.
-_RESUME_FREE = ("output", "wandb", "wandb_project", "max_batch", "max_padding")
+# Keys that change neither which cells a run holds nor their scores: a run may resume with
+# other values (stop_at_final_score shortens predictions whose score is already final).
+_RESUME_FREE = ("output", "wandb", "wandb_project", "max_batch", "max_padding", "stop_at_final_score")
 
 
 def versions() -> dict[str, Any]:
@@ -54,6 +56,22 @@ def versions() -> dict[str, Any]:
         "kvpress": version("kvpress"),
         "platform": platform.platform(),
     }
+
+
+def process_state():
+    """accelerate's process state: this process's rank among those torchrun or accelerate
+    launched (one process: rank 0 of 1).
+
+    Ranks meet at barriers between stages; one rank's long stage (the study's profile runs
+    on rank 0 alone; unbalanced bench shards) can keep the others waiting far longer than
+    torch's default 30-minute process-group timeout, hence 24 hours.
+    """
+    from datetime import timedelta
+
+    import torch
+    from accelerate import PartialState
+
+    return PartialState(cpu=not torch.cuda.is_available(), timeout=timedelta(hours=24))
 
 
 def atomic_write(path: Path, text: str) -> None:

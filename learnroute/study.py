@@ -92,6 +92,11 @@ class StudyConfig:
     )
     bootstrap: int = field(default=2000, metadata={"help": "bootstrap resamples for the paired intervals"})
     max_new_tokens: int | None = field(default=None, metadata={"help": "answer cap; null = each task's own"})
+    stop_at_final_score: bool = field(
+        default=True,
+        metadata={"help": "bench and placement end an answer once its score can no longer change (RULER's "
+                          "string matches: every reference found); same scores, far fewer decode steps"},
+    )
     output: str = field(default="runs/study/default", metadata={"help": "study folder"})
 
     def validate(self) -> list[str]:
@@ -228,13 +233,19 @@ def run_study(config: StudyConfig, overwrite: bool = False) -> Path:
     from learnroute.gates.train import run_train
     from learnroute.placement import PlacementConfig, run_placement
     from learnroute.profile import ProfileConfig, run_profile
-    from learnroute.runs import prepare_folder
+    from learnroute.runs import prepare_folder, process_state
 
-    out = prepare_folder(config, overwrite, is_main=True)
+    # Under torchrun / accelerate launch: training, bench and placement shard their samples
+    # across ranks; the profile, the exports and the analysis run on rank 0 while the others
+    # wait. Every rank decides what is left from the same files, after a barrier.
+    state = process_state()
+    first = state.is_main_process
+    out = prepare_folder(config, overwrite, is_main=first)
+    state.wait_for_everyone()
     pb = config.profiled_budget
-    log = _say
+    log = _say if first else (lambda msg: None)
     # 1. profile (calibration samples)
-    if not (out / "profile" / "profile.json").is_file():
+    if not (out / "profile" / "profile.json").is_file() and first:
         log("stage 1/5: profile on calibration samples")
         run_profile(
             ProfileConfig(
@@ -247,6 +258,7 @@ def run_study(config: StudyConfig, overwrite: bool = False) -> Path:
                 output=str(out / "profile"),
             )
         )
+    state.wait_for_everyone()
     # 2. train every variant (same calibration samples)
     variants = config.variant_configs(out)  # resolves @profile tokens: after the profile
     for name, data in variants.items():
@@ -254,14 +266,17 @@ def run_study(config: StudyConfig, overwrite: bool = False) -> Path:
         if not (Path(tcfg.output) / "route.json").is_file():
             log(f"stage 2/5: train variant {name!r}")
             run_train(tcfg)
+            state.wait_for_everyone()  # rank 0 writes route.json last
     # 3. export the routes (cheap; always rewritten from the checkpoints)
     routes = out / "routes"
-    routes.mkdir(exist_ok=True)
-    for name, data in variants.items():
-        run = Path(data["output"])
-        export_cli(run, routes / f"{route_name(name)}.json")
-        if name in config.mixture_of:
-            export_cli(run, routes / f"{route_name(name)}_mixture.json", mixture=True)
+    if first:
+        routes.mkdir(exist_ok=True)
+        for name, data in variants.items():
+            run = Path(data["output"])
+            export_cli(run, routes / f"{route_name(name)}.json")
+            if name in config.mixture_of:
+                export_cli(run, routes / f"{route_name(name)}_mixture.json", mixture=True)
+    state.wait_for_everyone()
     # 4. bench on eval samples, per protocol
     specs = ["full"] + [f"homogeneous:{m}" for m in config.methods] + [f"pyramid:{m}" for m in config.pyramid]
     if config.profile_all_budgets:  # each budget's profile routes at that budget only
@@ -285,6 +300,7 @@ def run_study(config: StudyConfig, overwrite: bool = False) -> Path:
                 query_aware=protocol == "aware",
                 seed=config.eval_seed,
                 max_new_tokens=config.max_new_tokens,
+                stop_at_final_score=config.stop_at_final_score,
                 output=str(out / f"bench_{protocol}"),
             )
         )
@@ -301,8 +317,9 @@ def run_study(config: StudyConfig, overwrite: bool = False) -> Path:
         else:
             given = out / "placement_route.json"
             new = rescale(Route.from_file(routes / f"{route_name(chosen)}.json"), b)
-            if not given.is_file() or Route.from_file(given).to_dict() != new.to_dict():
+            if first and (not given.is_file() or Route.from_file(given).to_dict() != new.to_dict()):
                 new.to_file(given)
+            state.wait_for_everyone()
             run_placement(
                 PlacementConfig(
                     route=str(given),
@@ -312,10 +329,13 @@ def run_study(config: StudyConfig, overwrite: bool = False) -> Path:
                     context_tokens=config.context_tokens,
                     seed=config.eval_seed,
                     max_new_tokens=config.max_new_tokens,
+                    stop_at_final_score=config.stop_at_final_score,
                     output=str(out / "placement"),
                 )
             )
-    analyze(out)
+    if first:
+        analyze(out)
+    state.wait_for_everyone()  # every rank returns a folder with study.md
     return out
 
 

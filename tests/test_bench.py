@@ -326,3 +326,37 @@ def test_report_paired_differences_by_hand(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["report", str(tmp_path), "--paired", "nope"])
     assert "no route called 'nope'" in capsys.readouterr().err
+
+
+def test_stop_at_final_score_shortens_answers_and_resumes_any_setting(run, tiny_dir, tmp_path, monkeypatch):
+    """The bench hands score_is_final to the engine: answers end where it first holds (a
+    prefix of the full answer); the option may change when a run resumes."""
+    from learnroute.tasks import metrics
+
+    _, out = run
+    full = {(r["sample_id"], r["route"], json.dumps(r["budget"])): r["prediction"]
+            for r in read_jsonl(out / "results.jsonl")}
+    seen = []
+
+    def final(sample, text):  # the tiny random model never finds a needle: a stand-in rule
+        seen.append(sample.id)
+        return len(text) >= 12
+
+    monkeypatch.setattr(metrics, "score_is_final", final)
+    short_out = tmp_path / "short"
+    run_bench(config_for(tiny_dir, short_out, max_new_tokens=12, stop_at_final_score="true"))
+    long_out = tmp_path / "long"
+    run_bench(config_for(tiny_dir, long_out, max_new_tokens=12))
+    longs = {(r["sample_id"], r["route"], json.dumps(r["budget"])): r["prediction"]
+             for r in read_jsonl(long_out / "results.jsonl")}
+    shorts = read_jsonl(short_out / "results.jsonl")
+    assert seen and len(shorts) == len(longs) == len(full)
+    for r in shorts:
+        whole = longs[(r["sample_id"], r["route"], json.dumps(r["budget"]))]
+        assert whole.startswith(r["prediction"])
+        assert r["prediction"] == whole or (len(r["prediction"]) >= 12 and r["prediction"] != whole)
+    assert any(r["prediction"] != longs[(r["sample_id"], r["route"], json.dumps(r["budget"]))] for r in shorts)
+    # resuming the first run with the option: not refused, nothing to redo
+    before = (out / "results.jsonl").read_text()
+    run_bench(config_for(tiny_dir, out, stop_at_final_score="true"))
+    assert (out / "results.jsonl").read_text() == before

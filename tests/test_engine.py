@@ -406,3 +406,28 @@ def test_parked_answers_finish_like_uninterrupted_decoding(tokenizer, sample, pa
 def test_park_after_must_be_positive(tiny, tokenizer):
     with pytest.raises(ValueError, match="park_after must be >= 1"):
         Engine(tiny, tokenizer, park_after=0)
+
+
+@pytest.mark.parametrize("park_after", [None, 3])
+def test_answers_end_once_until_holds(tokenizer, sample, park_after):
+    """``until``: each answer is the shortest prefix of its uninterrupted answer whose text
+    satisfies the predicate (or all of it), also for rows parked and resumed elsewhere."""
+    model = make_tiny(tokenizer, seed=5)
+    routes = _shaped_routes() + [Route.homogeneous(m, 4, b) for m in ("tova", "knorm") for b in (0.3, 12)]
+    alone = Engine(model, tokenizer, max_new_tokens=10, max_batch=1, park_after=None)
+    pre = alone.prefill(alone.encode(sample.context, sample.question))
+    ref = alone.answer(pre, routes)
+
+    def until(text):  # the tiny model repeats one token per route: their lengths differ
+        return len(text) >= 36
+
+    want = []
+    for r in ref:
+        k = next((k for k in range(1, len(r.token_ids) + 1)
+                  if until(tokenizer.decode(r.token_ids[:k], skip_special_tokens=True))), len(r.token_ids))
+        want.append(r.token_ids[:k])
+    assert any(len(w) < len(r.token_ids) for w, r in zip(want, ref))  # some answers do end early
+    assert any(len(w) == len(r.token_ids) for w, r in zip(want, ref))  # and some never meet it
+    engine = Engine(model, tokenizer, max_new_tokens=10, max_batch=3, max_padding=100.0, park_after=park_after)
+    got = engine.answer(pre, routes, until=until)
+    assert [g.token_ids for g in got] == want

@@ -160,3 +160,63 @@ def test_placement_goes_to_the_first_listed_variant_with_two_methods(tmp_path):
     assert S.StudyConfig(variants=variants).placement_candidates == ["learned"]
     with pytest.raises(ConfigError, match="placement_variant 'nope'"):
         load_config(S.StudyConfig, overrides=["placement_variant=[one, nope]", "variants={learned: {}, one: {}}"])
+
+
+def test_study_under_torchrun_shards_and_resumes(tiny_dir, tmp_path, monkeypatch):
+    """torchrun with 2 CPU processes: the profile and exports once (rank 0), the bench and
+    placement samples split across ranks into one folder each; the answers are those of a
+    one-process bench, and a one-process rerun finds nothing left to do."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from learnroute.runs import read_jsonl
+
+    cfg = yaml.safe_load(study_config(tmp_path, tiny_dir).read_text())
+    cfg.update(
+        budgets=[0.25], protocols=["agnostic"], per_budget=False, mixture_of=[], eval_seed=0,
+        variants={"learned": {}, "warm": {"init_route": "@profile_alloc", "lr": 0.01}},
+    )
+    path = tmp_path / "study2.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    out = Path(cfg["output"])
+    torchrun = Path(sys.executable).parent / "torchrun"
+    proc = subprocess.run(
+        [str(torchrun), "--nproc_per_node", "2", "-m", "learnroute.cli", "study", "--config", str(path)],
+        check=False, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.count("| protocol | budget | Q1") == 1  # rank 0 prints the answers
+    rows = read_jsonl(out / "bench_agnostic" / "results.jsonl")
+    keys = [(r["sample_id"], r["route"], json.dumps(r["budget"])) for r in rows]
+    assert len(keys) == len(set(keys)) == 4 * len({k[1:] for k in keys})  # every cell once, on 4 samples
+    assert {r["rank"] for r in rows} == {0, 1}
+    profiled = [c["sample_id"] for c in read_jsonl(out / "profile" / "cells.jsonl")]
+    assert len(profiled) == len(set(profiled)) == 4  # the profile ran once, not on both ranks
+    assert (out / "study.md").is_file() and (out / "routes" / "learned_warm.json").is_file()
+    if (out / "placement").is_dir():
+        placed = read_jsonl(out / "placement" / "results.jsonl")
+        assert {r["rank"] for r in placed} == {0, 1} and (out / "placement" / "placement.json").is_file()
+
+    # The fixed routes answer as in a one-process bench of the same samples.
+    ref = tmp_path / "ref"
+    assert main(["bench", f"model={tiny_dir}", "context_tokens=200", "tasks={niah_single_1: 2, niah_single_2: 2}",
+                 "routes=[full, homogeneous:snapkv, homogeneous:tova]", "budgets=[0.25]", "max_new_tokens=3",
+                 "seed=0",
+                 f"output={ref}"]) == 0
+    want = {(r["sample_id"], r["route"]): r["prediction"] for r in read_jsonl(ref / "results.jsonl")}
+    got = {(r["sample_id"], r["route"]): r["prediction"] for r in rows if (r["sample_id"], r["route"]) in want}
+    assert got == want and len(want) == 4 * 3
+
+    from learnroute.engine import Engine
+    from learnroute.gates import train as T
+
+    def refuse(*a, **k):
+        raise AssertionError("a finished stage was redone")
+
+    monkeypatch.setattr(Engine, "prefill", refuse)
+    monkeypatch.setattr(T, "run_train", refuse)
+    before = (out / "bench_agnostic" / "results.jsonl").read_text()
+    assert main(["study", "--config", str(path)]) == 0
+    assert (out / "bench_agnostic" / "results.jsonl").read_text() == before

@@ -213,6 +213,22 @@ def score(metric: str, prediction: str, references: list[str], **kwargs) -> floa
     return fn(prediction, references, **kwargs)
 
 
+# Metrics that only ask whether references occur in the text: a longer answer can only
+# find more of them, so once the score is 1 no later token changes it.
+_PREFIX_MONOTONE = ("string_match_all", "string_match_part")
+
+
+def score_is_final(sample: Sample | dict, prediction: str) -> bool:
+    """True when no continuation of ``prediction`` can change its score: the sample's
+    metric only looks for references in the text (RULER's string_match_all / _part, no
+    first-line cut) and already finds them all (score 1)."""
+    metric, meta = (sample.get("metric", "string_match_all"), sample.get("meta")) if isinstance(sample, dict) else (
+        sample.metric, sample.meta)
+    if metric not in _PREFIX_MONOTONE or (meta or {}).get("first_line"):
+        return False
+    return score_sample(sample, prediction) == 1.0
+
+
 def score_sample(sample: Sample | dict, prediction: str) -> float:
     """Score a prediction for a sample (a ``Sample`` or its dict) with its metric and post-processing.
 
