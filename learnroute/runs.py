@@ -18,10 +18,9 @@ import yaml
 
 from learnroute.config import ConfigError, to_dict
 
-# Config fields that do not change any result (batching changes float summation order at
-# most): a rerun may change them and still resume.
-# Keys that change neither which cells a run holds nor their scores: a run may resume with
-# other values (stop_at_final_score shortens predictions whose score is already final).
+# Config fields that change no score (batching changes float summation order at most;
+# stop_at_final_score shortens predictions whose score is already final): a rerun may
+# change them and still resume.
 _RESUME_FREE = ("output", "wandb", "wandb_project", "max_batch", "max_padding", "stop_at_final_score")
 
 
