@@ -446,6 +446,14 @@ def analyze(folder: str | Path, rescore: bool = False) -> dict[str, Any]:
                     if r.startswith("learned") and r != main and (r, bk) in scores
                 }
                 entry["best_homogeneous_rel_full"] = h / f if f else None
+            # Per task (every task, solved or not): the routes of questions 1-2.
+            entry["by_task"] = {
+                r: {t: mean(float(x["score"]) for x in rows if x["task"] == t and x["route"] == r
+                            and json.dumps(x["budget"]) == bk)
+                    for t in sorted(full_task)
+                    if any(x["task"] == t and x["route"] == r and json.dumps(x["budget"]) == bk for x in rows)}
+                for r in (main, best_h, "profile", "profile_alloc") if r is not None
+            }
             per_budget.append(entry)
         result["protocols"][protocol] = {
             "valid_tasks": sorted(valid),
@@ -585,6 +593,21 @@ def to_markdown(result: dict[str, Any], main: str) -> str:
         for r in routes:
             cells = [f"{100 * e['avg'][r]:.1f}" if r in e["avg"] else "" for e in res["budgets"]]
             lines.append(f"| {r} | " + " | ".join(cells) + " |")
+        if any(e.get("by_task") for e in res["budgets"]):
+            lines += ["", "Per task (x100; every task, also those left out of the averages; best homogeneous: "
+                      "the best on average at that budget):", ""]
+            lines.append("| task (full cache) | route | " + " | ".join(str(e["budget"]) for e in res["budgets"]) + " |")
+            lines.append("|---|---|" + "---|" * len(res["budgets"]))
+            for t in sorted(res["full_by_task"]):
+                for i, (label, key) in enumerate((("learned", main), ("best homogeneous", None),
+                                                  ("profile", "profile"), ("profile_alloc", "profile_alloc"))):
+                    cells = []
+                    for e in res["budgets"]:
+                        r = e["best_homogeneous"] if key is None else key
+                        v = e.get("by_task", {}).get(r, {}).get(t)
+                        cells.append("" if v is None else f"{100 * v:.1f}")
+                    head = f"{t} ({100 * res['full_by_task'][t]:.1f})" if i == 0 else ""
+                    lines.append(f"| {head} | {label} | " + " | ".join(cells) + " |")
         variants = sorted({v for e in res["budgets"] for v in e.get("q6_variants", {})})
         if variants:
             lines += ["", f"Q6, each variant minus `{main}` (paired, x100):", ""]

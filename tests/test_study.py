@@ -62,6 +62,13 @@ def test_study_end_to_end_then_nothing_to_redo(tiny_dir, tmp_path, monkeypatch, 
                 "learned_budgets_only", "learned_warm", "learned_mixture", "learned_homog_adapter",
                 "learned_per_budget",  # learned@0.25 at 0.25, learned@40 at 40: one row
             }
+    # per task: the learned route's mean over that task's samples, from the raw rows
+    raw = [json.loads(line) for line in (out / "bench_agnostic" / "results.jsonl").read_text().splitlines()]
+    own = [r["score"] for r in raw if r["route"].endswith("/learned.json") and r["budget"] == 0.25
+           and r["task"] == "niah_single_2"]
+    by_task = result["protocols"]["agnostic"]["budgets"][0]["by_task"]["learned"]
+    assert len(own) == 2 and by_task["niah_single_2"] == pytest.approx(sum(own) / 2)
+    assert "| niah_single_1 (" in (out / "study.md").read_text()
     # placement_variant: the first of warm, learned whose route has two or more methods
     methods = {v: {layer["method"] for layer in json.loads((out / "routes" / f"{v}.json").read_text())["layers"]}
                for v in ("learned_warm", "learned")}
