@@ -447,13 +447,12 @@ def analyze(folder: str | Path, rescore: bool = False) -> dict[str, Any]:
                 }
                 entry["best_homogeneous_rel_full"] = h / f if f else None
             # Per task (every task, solved or not): the routes of questions 1-2.
-            entry["by_task"] = {
-                r: {t: mean(float(x["score"]) for x in rows if x["task"] == t and x["route"] == r
-                            and json.dumps(x["budget"]) == bk)
-                    for t in sorted(full_task)
-                    if any(x["task"] == t and x["route"] == r and json.dumps(x["budget"]) == bk for x in rows)}
-                for r in (main, best_h, "profile", "profile_alloc") if r is not None
-            }
+            wanted = {main, best_h, "profile", "profile_alloc"} - {None}
+            cells: dict[str, dict[str, list[float]]] = {}
+            for x in rows:  # one pass: route -> task -> scores at this budget
+                if x["route"] in wanted and json.dumps(x["budget"]) == bk:
+                    cells.setdefault(x["route"], {}).setdefault(x["task"], []).append(float(x["score"]))
+            entry["by_task"] = {r: {t: mean(v) for t, v in sorted(ts.items())} for r, ts in cells.items()}
             per_budget.append(entry)
         result["protocols"][protocol] = {
             "valid_tasks": sorted(valid),

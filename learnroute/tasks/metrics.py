@@ -213,6 +213,13 @@ def score(metric: str, prediction: str, references: list[str], **kwargs) -> floa
     return fn(prediction, references, **kwargs)
 
 
+def _metric_answers_meta(sample: Sample | dict) -> tuple[str, list[str], dict]:
+    """A sample's metric, references and meta, from a ``Sample`` or its dict."""
+    if isinstance(sample, dict):  # not asdict(): that would copy the long context
+        return sample.get("metric", "string_match_all"), sample["answers"], sample.get("meta") or {}
+    return sample.metric, sample.answers, sample.meta or {}
+
+
 # Metrics that only ask whether references occur in the text: a longer answer can only
 # find more of them, so once the score is 1 no later token changes it.
 _PREFIX_MONOTONE = ("string_match_all", "string_match_part")
@@ -222,9 +229,8 @@ def score_is_final(sample: Sample | dict, prediction: str) -> bool:
     """True when no continuation of ``prediction`` can change its score: the sample's
     metric only looks for references in the text (RULER's string_match_all / _part, no
     first-line cut) and already finds them all (score 1)."""
-    metric, meta = (sample.get("metric", "string_match_all"), sample.get("meta")) if isinstance(sample, dict) else (
-        sample.metric, sample.meta)
-    if metric not in _PREFIX_MONOTONE or (meta or {}).get("first_line"):
+    metric, _, meta = _metric_answers_meta(sample)
+    if metric not in _PREFIX_MONOTONE or meta.get("first_line"):
         return False
     return score_sample(sample, prediction) == 1.0
 
@@ -235,11 +241,7 @@ def score_sample(sample: Sample | dict, prediction: str) -> float:
     Applies the first-line cut where ``meta['first_line']`` says so and passes
     ``meta['all_classes']`` to LongBench metrics, as LongBench's eval.py does.
     """
-    if isinstance(sample, dict):  # not asdict(): that would copy the long context
-        metric, answers, meta = sample.get("metric", "string_match_all"), sample["answers"], sample.get("meta")
-    else:
-        metric, answers, meta = sample.metric, sample.answers, sample.meta
-    meta = meta or {}
+    metric, answers, meta = _metric_answers_meta(sample)
     if meta.get("first_line"):
         prediction = first_line(prediction)
     if metric in PER_REFERENCE:
