@@ -130,7 +130,9 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def _comparable(config: dict) -> dict:
-    return {k: v for k, v in config.items() if k not in _RESUME_FREE}
+    # A key missing from a saved config reads as null: a field added later with a null
+    # default (e.g. aware_budgets) must not refuse runs saved before it existed.
+    return {k: v for k, v in config.items() if k not in _RESUME_FREE and v is not None}
 
 
 def prepare_folder(config: Any, overwrite: bool, is_main: bool) -> Path:

@@ -55,7 +55,17 @@ class StudyConfig:
         metadata={"help": "eval task -> samples (disjoint seed stream from calibration)"},
     )
     eval_seed: int = field(default=0, metadata={"help": "seed of the eval sample stream"})
-    budgets: list[Budget] = field(default_factory=lambda: [0.1, 0.2], metadata={"help": "budgets compared"})
+    budgets: list[Budget] = field(
+        default_factory=lambda: [0.1, 0.2],
+        metadata={"help": "budgets compared (fractions kept, or tokens per KV head); the aware protocol's too unless aware_budgets"},
+    )
+    aware_budgets: list[Budget] | None = field(
+        default=None,
+        metadata={
+            "help": "the query-aware protocol's budgets (null = budgets): with the question in the prefill, "
+            "routes keep the needle at far smaller budgets, so homogeneous routes differ lower down"
+        },
+    )
     protocols: list[str] = field(default_factory=lambda: ["agnostic"], metadata={"help": "agnostic and/or aware"})
     methods: list[str] = field(default_factory=lambda: list(CANDIDATES), metadata={"help": "candidate methods"})
     pyramid: list[str] = field(default_factory=lambda: ["snapkv"], metadata={"help": "methods also run with PyramidKV budgets"})
@@ -109,7 +119,12 @@ class StudyConfig:
                     problems.append(f"{name}.{t}: sample count must be >= 1, got {n}")
         if not self.budgets:
             problems.append("budgets is empty")
-        for b in self.budgets + [x for x in (self.profile_budget, self.placement_budget) if x is not None]:
+        if self.aware_budgets is not None:
+            if not self.aware_budgets:
+                problems.append("aware_budgets is empty (null: the aware protocol uses budgets)")
+            if "aware" not in self.protocols:
+                problems.append(f"aware_budgets is set but 'aware' is not in protocols {self.protocols}")
+        for b in self.all_budgets + [x for x in (self.profile_budget, self.placement_budget) if x is not None]:
             if (p := budget_problem(b)) is not None:
                 problems.append(f"budgets: {p}")
         bad = [p for p in self.protocols if p not in PROTOCOLS]
@@ -143,7 +158,7 @@ class StudyConfig:
         with the study's model, calibration set, budgets and methods."""
         variants = dict(self.variants)
         if self.per_budget:
-            for b in self.budgets:
+            for b in self.all_budgets:
                 variants[f"{self.main_variant}@{b}"] = {**self.variants.get(self.main_variant, {}), "budgets": [b]}
         out_cfgs = {}
         for name, over in variants.items():
@@ -159,7 +174,8 @@ class StudyConfig:
                 methods=list(self.methods),
                 output=str(out / "train" / _safe(name)),
             )
-            data.setdefault("budgets", list(self.budgets))
+            # A budget-robust route is trained over every budget the study benches it at.
+            data.setdefault("budgets", self.all_budgets)
             for key in ("init_route", "init_method"):
                 if isinstance(data.get(key), str) and data[key].startswith("@"):
                     if data[key] not in TOKENS:
@@ -187,6 +203,17 @@ class StudyConfig:
         return None
 
     @property
+    def all_budgets(self) -> list[Budget]:
+        """Every budget of every protocol: ``budgets``, then the aware-only ones."""
+        return list(self.budgets) + [b for b in self.aware_budgets or [] if b not in self.budgets]
+
+    def protocol_budgets(self, protocol: str) -> list[Budget]:
+        """The budgets one protocol is benched and analysed at."""
+        if protocol == "aware" and self.aware_budgets is not None:
+            return list(self.aware_budgets)
+        return list(self.budgets)
+
+    @property
     def profiled_budget(self) -> Budget:
         """The budget the profile measures (its routes are rescaled to the others)."""
         return self.profile_budget if self.profile_budget is not None else self.budgets[0]
@@ -194,7 +221,7 @@ class StudyConfig:
     @property
     def profile_budgets(self) -> list[Budget]:
         """Every budget the profile measures."""
-        return list(self.budgets) if self.profile_all_budgets else [self.profiled_budget]
+        return self.all_budgets if self.profile_all_budgets else [self.profiled_budget]
 
     def _resolve_token(self, out: Path, token: str, budgets: list[Budget]) -> str:
         """A study token's file (or method) for a variant trained at ``budgets``: the
@@ -277,25 +304,31 @@ def run_study(config: StudyConfig, overwrite: bool = False) -> Path:
             if name in config.mixture_of:
                 export_cli(run, routes / f"{route_name(name)}_mixture.json", mixture=True)
     state.wait_for_everyone()
-    # 4. bench on eval samples, per protocol
-    specs = ["full"] + [f"homogeneous:{m}" for m in config.methods] + [f"pyramid:{m}" for m in config.pyramid]
-    if config.profile_all_budgets:  # each budget's profile routes at that budget only
-        specs += [str(out / "profile" / f"profile_{b}{s}.json@{b}") for b in config.budgets for s in ("", "_alloc")]
-    else:
-        specs += [str(out / "profile" / f"profile_{pb}.json"), str(out / "profile" / f"profile_{pb}_alloc.json")]
-    for name, data in variants.items():
-        names = [route_name(name)] + ([f"{route_name(name)}_mixture"] if name in config.mixture_of else [])
-        # A variant trained for one budget (per_budget) is benched at that budget only.
-        pin = f"@{data['budgets'][0]}" if len(data["budgets"]) == 1 and data["budgets"][0] in config.budgets else ""
-        specs += [f"{routes / n}.json{pin}" for n in names]
+    # 4. bench on eval samples, per protocol (each at its own budgets)
     for protocol in config.protocols:
+        budgets = config.protocol_budgets(protocol)
+        specs = ["full"] + [f"homogeneous:{m}" for m in config.methods] + [f"pyramid:{m}" for m in config.pyramid]
+        if config.profile_all_budgets:  # each budget's profile routes at that budget only
+            specs += [str(out / "profile" / f"profile_{b}{s}.json@{b}") for b in budgets for s in ("", "_alloc")]
+        else:
+            specs += [str(out / "profile" / f"profile_{pb}.json"), str(out / "profile" / f"profile_{pb}_alloc.json")]
+        for name, data in variants.items():
+            names = [route_name(name)] + ([f"{route_name(name)}_mixture"] if name in config.mixture_of else [])
+            # A variant trained for one budget (per_budget) is benched at that budget only,
+            # in the protocols that have that budget.
+            pin = ""
+            if len(data["budgets"]) == 1 and data["budgets"][0] in config.all_budgets:
+                if data["budgets"][0] not in budgets:
+                    continue
+                pin = f"@{data['budgets'][0]}"
+            specs += [f"{routes / n}.json{pin}" for n in names]
         log(f"stage 4/5: bench ({protocol}) on eval samples")
         run_bench(
             BenchConfig(
                 model=config.model,
                 tasks=dict(config.eval_tasks),
                 context_tokens=config.context_tokens,
-                budgets=list(config.budgets),
+                budgets=budgets,
                 routes=specs,
                 query_aware=protocol == "aware",
                 seed=config.eval_seed,
@@ -416,7 +449,7 @@ def analyze(folder: str | Path, rescore: bool = False) -> dict[str, Any]:
         full = next((v for (route, _), v in scores.items() if route == "full"), {})
         routes = sorted({route for route, _ in scores})
         per_budget = []
-        for b in config.budgets:
+        for b in config.protocol_budgets(protocol):
             bk = json.dumps(b)
             avg = {route: mean(scores[(route, bk)].values()) for route in routes if (route, bk) in scores}
             homog = {r: s for r, s in avg.items() if r.startswith("homogeneous:")}

@@ -102,6 +102,24 @@ def test_different_config_refused_unless_overwrite(run, tiny_dir):
     run_bench(config_for(tiny_dir, out, max_batch=2))
 
 
+def test_run_saved_before_a_null_default_field_existed_resumes(run, tiny_dir):
+    """A config.yaml written before a field with a null default was added resumes; a field
+    set to a value in the saved run and null now is still a different config."""
+    cfg, out = run
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    assert saved.pop("longbench_dir") is None
+    (out / "config.yaml").write_text(yaml.safe_dump(saved))
+    before = read_jsonl(out / "results.jsonl")
+    run_bench(cfg)
+    assert read_jsonl(out / "results.jsonl") == before
+    saved["longbench_dir"] = "somewhere"
+    (out / "config.yaml").write_text(yaml.safe_dump(saved))
+    with pytest.raises(ConfigError, match="differs in: longbench_dir"):
+        run_bench(cfg)
+    saved["longbench_dir"] = None  # the fixture's run is shared: leave it as found
+    (out / "config.yaml").write_text(yaml.safe_dump(saved))
+
+
 def test_overwrite_moves_the_old_run_aside(tiny_dir, tmp_path):
     out = tmp_path / "run"
     run_bench(config_for(tiny_dir, out, tasks="{niah_single_1: 1}", routes="[full]"))

@@ -19,6 +19,7 @@ def study_config(tmp_path, tiny_dir):
         "calibration": {"niah_single_1": 2, "niah_multikey": 2},
         "eval_tasks": {"niah_single_1": 2, "niah_single_2": 2},
         "budgets": [0.25, 40],
+        "aware_budgets": [0.25, 0.5],  # the aware protocol at its own budgets
         "protocols": ["agnostic", "aware"],
         "methods": ["snapkv", "tova", "knorm"],
         "pyramid": ["tova"],
@@ -53,14 +54,14 @@ def test_study_end_to_end_then_nothing_to_redo(tiny_dir, tmp_path, monkeypatch, 
                 "bench_agnostic/summary.md", "bench_aware/summary.md", "study.json", "study.md"):
         assert (out / sub).is_file(), sub
     result = json.loads((out / "study.json").read_text())
-    for protocol in ("agnostic", "aware"):
+    for protocol, want in (("agnostic", [0.25, 40]), ("aware", [0.25, 0.5])):
         budgets = result["protocols"][protocol]["budgets"]
-        assert [b["budget"] for b in budgets] == [0.25, 40]
+        assert [b["budget"] for b in budgets] == want
         for b in budgets:
             assert b["q1_vs_best_homogeneous"]["n"] == 4  # paired over the 4 eval samples
             assert set(b["q6_variants"]) == {
                 "learned_budgets_only", "learned_warm", "learned_mixture", "learned_homog_adapter",
-                "learned_per_budget",  # learned@0.25 at 0.25, learned@40 at 40: one row
+                "learned_per_budget",  # learned@0.25 at 0.25, learned@40 at 40 (aware: @0.5): one row
             }
     # per task: the learned route's mean over that task's samples, from the raw rows
     raw = [json.loads(line) for line in (out / "bench_agnostic" / "results.jsonl").read_text().splitlines()]
@@ -97,6 +98,16 @@ def test_study_end_to_end_then_nothing_to_redo(tiny_dir, tmp_path, monkeypatch, 
     own = {(r["route"].rsplit("/", 1)[-1], r["budget"]) for r in map(json.loads, rows.splitlines())
            if "learned_at_" in r["route"]}
     assert own == {("learned_at_0.25.json", 0.25), ("learned_at_40.json", 40)}
+    # the aware protocol: its own budgets, the profile's and per-budget routes at those
+    aware = [json.loads(x) for x in (out / "bench_aware" / "results.jsonl").read_text().splitlines()]
+    assert {r["budget"] for r in aware} == {None, 0.25, 0.5}  # None: the full cache
+    assert {(r["route"].rsplit("/", 1)[-1], r["budget"]) for r in aware if "learned_at_" in r["route"]} == {
+        ("learned_at_0.25.json", 0.25), ("learned_at_0.5.json", 0.5)}
+    assert {(r["route"].rsplit("/", 1)[-1], r["budget"]) for r in aware if "/profile/" in r["route"]} == {
+        (f"profile_{b}{s}.json", b) for b in (0.25, 0.5) for s in ("", "_alloc")}
+    # the budget-robust route trained over every budget of both protocols
+    trained = yaml.safe_load((out / "train" / "learned" / "config.yaml").read_text())
+    assert trained["budgets"] == [0.25, 40, 0.5]
 
     # Again: every stage is found finished; no prefill, no training step.
     from learnroute.engine import Engine
@@ -146,12 +157,13 @@ def test_paired_bootstrap_verdicts():
 
 def test_bad_study_config_is_one_error(tmp_path):
     with pytest.raises(ConfigError) as e:
-        load_config(S.StudyConfig, overrides=["protocols=[agnostic, sideways]", "main_variant=nope",
+        load_config(S.StudyConfig, overrides=["protocols=[agnostic, sideways]", "main_variant=nope", "aware_budgets=[0.05]",
                                               "variants={learned: {context_tokens: 5}}", "eval_tasks={nosuch: 2}"])
     with pytest.raises(ConfigError, match="unknown study token '@profil'"):
         load_config(S.StudyConfig, overrides=["variants={learned: {init_route: '@profil'}}"])
     msg = str(e.value)
-    for part in ("protocols must be", "main_variant 'nope'", "the study sets those", "unknown task 'nosuch'"):
+    for part in ("protocols must be", "main_variant 'nope'", "the study sets those", "unknown task 'nosuch'",
+                 "aware_budgets is set but 'aware' is not in protocols"):
         assert part in msg, part
 
 
@@ -182,7 +194,7 @@ def test_study_under_torchrun_shards_and_resumes(tiny_dir, tmp_path, monkeypatch
 
     cfg = yaml.safe_load(study_config(tmp_path, tiny_dir).read_text())
     cfg.update(
-        budgets=[0.25], protocols=["agnostic"], per_budget=False, mixture_of=[], eval_seed=0,
+        budgets=[0.25], aware_budgets=None, protocols=["agnostic"], per_budget=False, mixture_of=[], eval_seed=0,
         variants={"learned": {}, "warm": {"init_route": "@profile_alloc", "lr": 0.01}},
     )
     path = tmp_path / "study2.yaml"
