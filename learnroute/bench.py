@@ -8,7 +8,7 @@ sharded across processes, which all append to the same folder.
 
 Run folder::
 
-    config.yaml      the resolved config          versions.json  library versions, git commit
+    config.yaml      the resolved config          versions.json  library versions, git commit (every start)
     samples.jsonl    every sample evaluated        results.jsonl  one row per task x sample x route x budget
     summary.csv/.md  tables (learnroute.report)    plot.png       average score vs budget
 """

@@ -162,8 +162,24 @@ def prepare_folder(config: Any, overwrite: bool, is_main: bool) -> Path:
     if is_main:
         out.mkdir(parents=True, exist_ok=True)
         atomic_write(saved, yaml.safe_dump(resolved, sort_keys=False))
-        atomic_write(out / "versions.json", json.dumps(versions(), indent=2) + "\n")
+        _record_start(out / "versions.json")
     return out
+
+
+def _record_start(path: Path) -> None:
+    """Write this start's versions to ``path``, keeping every earlier start under
+    ``starts``: a run resumed under another commit must still say which commits wrote it."""
+    now = {**versions(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    starts: list[dict[str, Any]] = []
+    if path.is_file():
+        try:
+            old = json.loads(path.read_text())
+        except json.JSONDecodeError:
+            old = {}
+        # A versions.json from before the history existed is one start of unknown time.
+        starts = old.get("starts") or ([{k: v for k, v in old.items() if k != "starts"}] if old else [])
+    top = {k: v for k, v in now.items() if k != "started"}
+    atomic_write(path, json.dumps({**top, "starts": starts + [now]}, indent=2) + "\n")
 
 
 def wandb_run(config: Any, out: Path):

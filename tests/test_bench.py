@@ -104,14 +104,21 @@ def test_different_config_refused_unless_overwrite(run, tiny_dir):
 
 def test_run_saved_before_a_null_default_field_existed_resumes(run, tiny_dir):
     """A config.yaml written before a field with a null default was added resumes; a field
-    set to a value in the saved run and null now is still a different config."""
+    set to a value in the saved run and null now is still a different config. Every start
+    is recorded in versions.json, the earlier ones kept."""
     cfg, out = run
     saved = yaml.safe_load((out / "config.yaml").read_text())
     assert saved.pop("longbench_dir") is None
     (out / "config.yaml").write_text(yaml.safe_dump(saved))
     before = read_jsonl(out / "results.jsonl")
+    # versions.json as written before it kept a history of starts: kept as the first start
+    legacy = {"learnroute": "0.0.1", "git_commit": "abc123", "kvpress": "0.5.5"}
+    (out / "versions.json").write_text(json.dumps(legacy))
     run_bench(cfg)
     assert read_jsonl(out / "results.jsonl") == before
+    versions = json.loads((out / "versions.json").read_text())
+    assert versions["starts"][0] == legacy and len(versions["starts"]) == 2
+    assert versions["starts"][1]["started"] and versions["kvpress"] == "0.5.5"
     saved["longbench_dir"] = "somewhere"
     (out / "config.yaml").write_text(yaml.safe_dump(saved))
     with pytest.raises(ConfigError, match="differs in: longbench_dir"):
