@@ -63,7 +63,7 @@ class StudyConfig:
         default=None,
         metadata={
             "help": "the query-aware protocol's budgets (null = budgets): with the question in the prefill, "
-            "routes keep the needle at far smaller budgets, so homogeneous routes differ lower down"
+            "the budgets where homogeneous routes differ may lie elsewhere"
         },
     )
     protocols: list[str] = field(default_factory=lambda: ["agnostic"], metadata={"help": "agnostic and/or aware"})
