@@ -169,7 +169,8 @@ def prepare_folder(config: Any, overwrite: bool, is_main: bool) -> Path:
 def _record_start(path: Path) -> None:
     """Write this start's versions to ``path``, keeping every earlier start under
     ``starts``: a run resumed under another commit must still say which commits wrote it."""
-    now = {**versions(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    current = versions()
+    now = {**current, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     starts: list[dict[str, Any]] = []
     if path.is_file():
         try:
@@ -178,8 +179,7 @@ def _record_start(path: Path) -> None:
             old = {}
         # A versions.json from before the history existed is one start of unknown time.
         starts = old.get("starts") or ([{k: v for k, v in old.items() if k != "starts"}] if old else [])
-    top = {k: v for k, v in now.items() if k != "started"}
-    atomic_write(path, json.dumps({**top, "starts": starts + [now]}, indent=2) + "\n")
+    atomic_write(path, json.dumps({**current, "starts": starts + [now]}, indent=2) + "\n")
 
 
 def wandb_run(config: Any, out: Path):

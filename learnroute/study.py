@@ -454,6 +454,13 @@ def analyze(folder: str | Path, rescore: bool = False) -> dict[str, Any]:
             avg = {route: mean(scores[(route, bk)].values()) for route in routes if (route, bk) in scores}
             homog = {r: s for r, s in avg.items() if r.startswith("homogeneous:")}
             best_h = max(homog, key=homog.get) if homog else None
+            # Per task (every task, solved or not): the routes of questions 1-2; Q3 reads it too.
+            wanted = {main, best_h, "profile", "profile_alloc"} - {None}
+            cells: dict[str, dict[str, list[float]]] = {}
+            for x in rows:  # one pass: route -> task -> scores at this budget
+                if x["route"] in wanted and json.dumps(x["budget"]) == bk:
+                    cells.setdefault(x["route"], {}).setdefault(x["task"], []).append(float(x["score"]))
+            by_task = {r: {t: mean(v) for t, v in sorted(ts.items())} for r, ts in cells.items()}
             entry: dict[str, Any] = {"budget": b, "avg": avg, "full": mean(full.values()) if full else None}
             entry["best_homogeneous"] = best_h
             if main in avg and best_h:
@@ -465,10 +472,8 @@ def analyze(folder: str | Path, rescore: bool = False) -> dict[str, Any]:
                 # Q3: tasks where the learned route beats the best homogeneous route
                 wins = ties = losses = 0
                 for t in sorted(valid):
-                    lt = [r["score"] for r in rows if r["task"] == t and r["route"] == main and json.dumps(r["budget"]) == bk]
-                    ht = [r["score"] for r in rows if r["task"] == t and r["route"] == best_h and json.dumps(r["budget"]) == bk]
-                    if lt and ht:
-                        d = mean(lt) - mean(ht)
+                    if t in by_task.get(main, {}) and t in by_task.get(best_h, {}):
+                        d = by_task[main][t] - by_task[best_h][t]
                         wins, ties, losses = wins + (d > 0), ties + (d == 0), losses + (d < 0)
                 entry["q3_tasks"] = {"wins": wins, "ties": ties, "losses": losses, "tasks": len(valid)}
                 f, h, lv = entry["full"], avg[best_h], avg[main]
@@ -479,13 +484,7 @@ def analyze(folder: str | Path, rescore: bool = False) -> dict[str, Any]:
                     if r.startswith("learned") and r != main and (r, bk) in scores
                 }
                 entry["best_homogeneous_rel_full"] = h / f if f else None
-            # Per task (every task, solved or not): the routes of questions 1-2.
-            wanted = {main, best_h, "profile", "profile_alloc"} - {None}
-            cells: dict[str, dict[str, list[float]]] = {}
-            for x in rows:  # one pass: route -> task -> scores at this budget
-                if x["route"] in wanted and json.dumps(x["budget"]) == bk:
-                    cells.setdefault(x["route"], {}).setdefault(x["task"], []).append(float(x["score"]))
-            entry["by_task"] = {r: {t: mean(v) for t, v in sorted(ts.items())} for r, ts in cells.items()}
+            entry["by_task"] = by_task
             per_budget.append(entry)
         result["protocols"][protocol] = {
             "valid_tasks": sorted(valid),
