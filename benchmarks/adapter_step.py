@@ -77,7 +77,7 @@ def main() -> None:
 
         def fixed_step() -> None:
             fixed_opt.zero_grad()
-            loss, _ = answer_loss(model, item, fixed.hard_masks(item.ranks, mean), eps=1e-6, hard=True)
+            loss, _ = answer_loss(model, item, fixed.hard_masks(item.ranks, fixed.harden(args.fraction, item.n_tokens)), eps=1e-6, hard=True)
             loss.backward()
             fixed_opt.step()
 

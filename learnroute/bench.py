@@ -10,7 +10,7 @@ Run folder::
 
     config.yaml      the resolved config          versions.json  library versions, git commit (every start)
     samples.jsonl    every sample evaluated        results.jsonl  one row per task x sample x route x budget
-    summary.csv/.md  tables (learnroute.report)    plot.png       average score vs budget
+    summary.csv/.md  tables (learnroute.summary)   plot.png       average score vs budget
 """
 
 from __future__ import annotations
@@ -23,7 +23,16 @@ from pathlib import Path
 
 from learnroute.methods.registry import METHODS
 from learnroute.route import Route, RouteError, budget_problem, parse_budget
-from learnroute.runs import append_jsonl, prepare_folder, process_state, read_jsonl, result_key, wandb_run
+from learnroute.runs import (
+    append_jsonl,
+    device_problem,
+    prepare_folder,
+    process_state,
+    read_jsonl,
+    resolve_device,
+    result_key,
+    wandb_run,
+)
 from learnroute.tasks.suite import check_tasks, load_tasks
 
 Budget = int | float
@@ -77,6 +86,9 @@ class BenchConfig:
     longbench_dir: str | None = field(
         default=None, metadata={"help": "folder of LongBench JSONL files (default $LEARNROUTE_LONGBENCH)"}
     )
+    device: str = field(
+        default="auto", metadata={"help": "auto (CUDA when available) | cpu | cuda (refused without CUDA)"}
+    )
     output: str = field(default="runs/bench", metadata={"help": "run folder"})
     wandb: bool = field(default=False, metadata={"help": "log to Weights & Biases (offline without network)"})
     wandb_project: str = field(default="learnroute", metadata={"help": "wandb project"})
@@ -107,6 +119,8 @@ class BenchConfig:
             problems.append(f"max_padding must be >= 1 (1 = identical shapes only), got {self.max_padding}")
         if self.route_file_budgets not in ("scale", "file"):
             problems.append(f"route_file_budgets must be 'scale' or 'file', got {self.route_file_budgets!r}")
+        if (p := device_problem(self.device)) is not None:
+            problems.append(p)
         return problems
 
 
@@ -148,52 +162,6 @@ def route_spec_problems(spec: str) -> list[str]:
         if route.adapter_path is not None and not route.adapter_path.is_dir():
             problems.append(f"route file {p} names adapter folder {route.adapter_path}, which does not exist")
     return problems
-
-
-def rescale(route: Route, budget: Budget) -> Route:
-    """The route's methods with its per-layer budget shape rescaled to average ``budget``."""
-    kinds = {isinstance(b, float) for b in route.budgets}
-    if len(kinds) > 1:
-        raise RouteError(
-            "cannot rescale a route that mixes integer and fractional budgets; use route_file_budgets=file"
-        )
-    mean = sum(route.budgets) / route.n_layers
-    shares = [b / mean for b in route.budgets]
-    if isinstance(budget, float):
-        budgets: list[Budget] = _capped_shares(shares, budget)
-    else:
-        budgets = [max(1, round(budget * s)) for s in shares]
-    prov = {**route.provenance, "rescaled_to": budget}
-    mixtures = [None if e.mixture is None else dict(e.mixture) for e in route.layers]
-    out = Route.from_layers(route.methods, budgets, model=route.model, mixtures=mixtures, **prov)
-    out.adapter_path = route.adapter_path  # a route's adapter decodes with it at every budget
-    return out
-
-
-def _capped_shares(shares: list[float], budget: float) -> list[float]:
-    """``budget x share`` per layer, capped at the whole context (1.0), what a capped layer
-    cannot use handed to the others in proportion to their shares (water filling), so the
-    route keeps its total ``L x budget`` (the same KV bytes as a uniform route) whenever
-    that fits. Clipping alone lost a quarter of the budget of a profile-allocated route
-    rescaled from 10 % to 20 %."""
-    out = [budget * s for s in shares]
-    capped: set[int] = set()
-    while True:
-        # A layer at 1.0 up to float error (exported learned budgets are float32) is full,
-        # not over: nothing to hand on, and the route stays what a plain rescale gives.
-        over = [i for i, b in enumerate(out) if i not in capped and b > 1.0 + 1e-6]
-        if not over:
-            return [min(1.0, b) for b in out]
-        excess = sum(out[i] - 1.0 for i in over)
-        for i in over:
-            out[i] = 1.0
-            capped.add(i)
-        room = sum(shares[i] for i in range(len(out)) if i not in capped)
-        if room <= 0:
-            return out
-        for i in range(len(out)):
-            if i not in capped:
-                out[i] += excess * shares[i] / room
 
 
 def nominal_budget(route: Route) -> Budget:
@@ -242,11 +210,11 @@ def resolve_routes(config: BenchConfig, n_layers: int, model: str) -> list[Cell]
                     problems.append(f"{path}: {e}")
                     continue
                 if pin is not None:
-                    cells.append(Cell(path, pin, rescale(route, pin)))
+                    cells.append(Cell(path, pin, route.rescaled(pin)))
                 elif config.route_file_budgets == "file":
                     cells.append(Cell(path, nominal_budget(route), route))
                 else:
-                    cells += [Cell(path, b, rescale(route, b)) for b in config.budgets]
+                    cells += [Cell(path, b, route.rescaled(b)) for b in config.budgets]
     if problems:
         raise RouteError("route files do not fit the model:\n  " + "\n  ".join(problems))
     seen = set()
@@ -263,23 +231,23 @@ def resolve_routes(config: BenchConfig, n_layers: int, model: str) -> list[Cell]
 
 def run_bench(config: BenchConfig, overwrite: bool = False) -> Path:
     """Evaluate every cell on every sample (this process's shard); returns the run folder."""
-    import torch
     from tqdm import tqdm
 
     from learnroute import _hf
     from learnroute.engine import Engine
     from learnroute.models import load_model, model_name
-    from learnroute.report import summarize
+    from learnroute.summary import summarize
     from learnroute.tasks.metrics import score_is_final, score_sample
 
+    device = resolve_device(config.device)  # cuda without CUDA is refused before anything is written
     state = process_state()  # samples are sharded across ranks (torchrun / accelerate launch)
     rank, world = state.process_index, state.num_processes
     out = prepare_folder(config, overwrite, state.is_main_process)
     state.wait_for_everyone()
 
     model, tokenizer = load_model(config.model)
-    if torch.cuda.is_available():
-        model.to(state.device)
+    if device == "cuda":
+        model.to(state.device)  # this rank's GPU
     name = model_name(model)
     cells = resolve_routes(config, len(_hf.attention_modules(model)), name)
     samples = load_tasks(config.tasks, tokenizer, config.context_tokens, "eval", config.seed, config.longbench_dir)

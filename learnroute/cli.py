@@ -40,9 +40,22 @@ def main(argv: list[str] | None = None) -> int:
         sub.add_parser(name, help=help_text, add_help=False)
     args, rest = parser.parse_known_args(argv[:1])
     if args.command is None:
-        parser.print_help()
-        return 0 if not argv else 2
+        if not argv:
+            parser.print_help()
+            return 0
+        parser.error(_misplaced(argv))  # exits 2, saying what is wrong
     return int(_load(COMMANDS[args.command][1])(argv[1:]) or 0)
+
+
+def _misplaced(argv: list[str]) -> str:
+    """The error for a command line that does not start with a verb: options before it
+    (``learnroute --config x bench``) or no verb at all."""
+    verb = next((a for a in argv if a in COMMANDS), None)
+    if verb is None:
+        return f"unrecognized argument {argv[0]!r}: give a command first ({', '.join(COMMANDS)}); options come after it"
+    i = argv.index(verb)
+    fixed = " ".join(["learnroute", verb, *argv[:i], *argv[i + 1 :]])
+    return f"{argv[0]} must come after the verb: {fixed}"
 
 
 if __name__ == "__main__":

@@ -11,11 +11,24 @@ from pathlib import Path
 from learnroute.config import ConfigError, describe, load_config
 from learnroute.route import RouteError
 
+# Bad input, raised on purpose with a message that says what to change: one line, exit 2.
+# Anything else (a torch shape error, CUDA out of memory, a bug) keeps its traceback.
+USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, RouteError, FileNotFoundError)
+
 
 def _run_config_command(
-    verb: str, doc: str | None, cls: type, runner: Callable, argv: list[str], done: Callable[[Path], str]
+    verb: str,
+    doc: str | None,
+    cls: type,
+    runner: Callable,
+    argv: list[str],
+    done: Callable[[Path], str],
+    user_errors: tuple[type[BaseException], ...] = (),
 ) -> int:
-    """``learnroute VERB --config FILE [--overwrite] [key=value ...]``: load, run, report."""
+    """``learnroute VERB --config FILE [--overwrite] [key=value ...]``: load, run, report.
+
+    ``user_errors``: the verb's own deliberate errors, reported like :data:`USER_ERRORS`.
+    """
     parser = argparse.ArgumentParser(
         prog=f"learnroute {verb}",
         description=doc,
@@ -29,7 +42,7 @@ def _run_config_command(
     try:
         config = load_config(cls, args.config, args.overrides)
         out = runner(config, overwrite=args.overwrite)
-    except (ConfigError, RouteError, FileNotFoundError, RuntimeError) as e:
+    except USER_ERRORS + user_errors as e:
         parser.exit(2, f"learnroute {verb}: error: {e}\n")
     print(done(out), file=sys.stderr)
     return 0
@@ -75,7 +88,7 @@ def placement(argv: list[str]) -> int:
 def report(argv: list[str]) -> int:
     """Rewrite a bench folder's summary (CSV, markdown, plot), or a study folder's answers
     (study.json, study.md and its benches' summaries), from the JSONL files alone."""
-    from learnroute.report import summarize
+    from learnroute.summary import summarize
 
     parser = argparse.ArgumentParser(prog="learnroute report", description=report.__doc__)
     parser.add_argument("folder", help="bench run folder or study folder")
@@ -119,6 +132,7 @@ def report(argv: list[str]) -> int:
 
 def study(argv: list[str]) -> int:
     """Profile, train every variant, export, bench on eval samples, placement: one study folder."""
+    from learnroute.gates.train import TrainingError
     from learnroute.study import StudyConfig, run_study, summary_table
 
     def done(out: Path) -> str:
@@ -131,12 +145,12 @@ def study(argv: list[str]) -> int:
         result = json.loads((out / "study.json").read_text())
         return f"{summary_table(result)}\n\nfull answers in {out / 'study.md'}"
 
-    return _run_config_command("study", study.__doc__, StudyConfig, run_study, argv, done)
+    return _run_config_command("study", study.__doc__, StudyConfig, run_study, argv, done, (TrainingError,))
 
 
 def train(argv: list[str]) -> int:
     """Learn per-layer gates (methods and/or budgets) on calibration samples -> a hardened route."""
-    from learnroute.gates.train import TrainConfig, run_train
+    from learnroute.gates.train import TrainConfig, TrainingError, run_train
 
     return _run_config_command(
         "train",
@@ -145,6 +159,7 @@ def train(argv: list[str]) -> int:
         run_train,
         argv,
         lambda out: f"gates in {out}: route.json (hardened), pi.png, budgets.png, checkpoints/",
+        (TrainingError,),  # the loss became NaN: the message says which checkpoint and what to change
     )
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from learnroute import _hf
 from learnroute.engine import Engine
-from learnroute.methods.base import Budget
+from learnroute.methods.budgets import Budget
 from learnroute.route import Route
 from learnroute.route import parse_budget as route_parse_budget
 

@@ -27,8 +27,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from learnroute import _hf
 from learnroute import adapter as _adapter
-from learnroute.methods.base import Method, keep_indices, resolve_budget
-from learnroute.methods.mixing import mixed_scores
+from learnroute.methods.base import Method
+from learnroute.methods.select import active_components, kept_count, select
 from learnroute.methods.registry import get_method
 from learnroute.route import Route
 
@@ -292,22 +292,17 @@ class Engine:
         methods' scores (:func:`learnroute.methods.mixing.mixed_scores`) instead.
         """
         n = prefill.layer_tokens[layer]
-        if mixture is not None:
-            active = [(m, w) for m, w in mixture if w > 0]
-            if len(active) == 1:  # one component: that method's own selection (ties as it breaks them)
-                method, mixture = active[0][0], None
+        active = active_components(method, mixture)
+        if len(active) == 1:  # one component: that method's own selection, cached as such
+            method, mixture = active[0][0], None
         if mixture is None and self.method(method).keeps_all:
             n_kept = n
-        key = (layer, method if mixture is None else mixture, n_kept)
+        key = (layer, method if mixture is None else tuple(mixture), n_kept)
         if key not in prefill._indices:
-            if n_kept >= n:
+            idx = select(method, mixture, n_kept, n, lambda m: self.scores(prefill, layer, m, n_kept))
+            if idx is None:  # the layer keeps everything
                 ref = prefill.layers[layer].keys
                 idx = torch.arange(n, device=ref.device).expand(ref.shape[0], ref.shape[1], n)  # (1, H_kv, n)
-            elif mixture is not None:
-                scores = {m: self.scores(prefill, layer, m, n_kept) for m, _ in mixture}  # (1, H_kv, n) each
-                idx = keep_indices(mixed_scores(scores, mixture), n_kept)
-            else:
-                idx = keep_indices(self.scores(prefill, layer, method, n_kept), n_kept)
             prefill._indices[key] = idx
         return prefill._indices[key]
 
@@ -328,10 +323,8 @@ class Engine:
         counts = []
         for layer, e in enumerate(route.layers):
             held = n_tokens if layer_tokens is None else layer_tokens[layer]
-            if self.is_fixed(layer, held, n_tokens):
-                counts.append(held)
-            else:
-                counts.append(n_tokens if self.method(e.method).keeps_all else resolve_budget(e.budget, n_tokens))
+            fixed = self.is_fixed(layer, held, n_tokens)
+            counts.append(kept_count(e.budget, n_tokens, keeps_all=self.method(e.method).keeps_all, fixed=fixed, held=held))
         return counts
 
     def compress(

@@ -14,6 +14,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from learnroute import _hf
+from learnroute.config import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ def check_supported(config) -> None:
     """Refuse architectures kvpress 0.5.5 does not support, before loading any weights."""
     mtype = getattr(config, "model_type", None)
     if mtype not in _hf.SUPPORTED_MODEL_TYPES:
-        raise ValueError(
+        raise ConfigError(  # bad input (a ValueError): the CLI says it in one line
             f"unsupported architecture {mtype!r}: learnroute (like kvpress 0.5.5) supports "
             "Llama, Mistral, Qwen2, Qwen3, Phi3 and Gemma3 "
             f"(model_type one of {', '.join(_hf.SUPPORTED_MODEL_TYPES)})"

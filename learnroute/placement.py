@@ -53,6 +53,9 @@ class PlacementConfig:
         default=False, metadata={"help": "end an answer once its score can no longer change (bench's option)"}
     )
     longbench_dir: str | None = field(default=None, metadata={"help": "folder of LongBench JSONL files"})
+    device: str = field(
+        default="auto", metadata={"help": "auto (CUDA when available) | cpu | cuda (refused without CUDA)"}
+    )
     output: str = field(default="runs/placement", metadata={"help": "run folder"})
 
     def validate(self) -> list[str]:
@@ -90,6 +93,7 @@ class PlacementConfig:
             max_batch=self.max_batch,
             stop_at_final_score=self.stop_at_final_score,
             longbench_dir=self.longbench_dir,
+            device=self.device,
             output=str(out),
         )
 
@@ -180,7 +184,7 @@ def histogram(scores: list[float], given: float, full: float | None, path: Path)
 
 def run_placement(config: PlacementConfig, overwrite: bool = False) -> Path:
     """Draw placements, evaluate them through the bench, and report the given route's rank."""
-    from learnroute.report import AVG, load_rows, aggregate
+    from learnroute.summary import AVG, aggregate, load_rows
 
     out = Path(config.output)
     given = Route.from_file(config.route)

@@ -14,8 +14,8 @@ from transformers import PreTrainedModel
 
 from learnroute import _hf
 from learnroute import adapter as _adapter
-from learnroute.methods.base import Method, keep_indices, resolve_budget
-from learnroute.methods.mixing import mixed_scores
+from learnroute.methods.base import Method
+from learnroute.methods.select import kept_count, select
 from learnroute.methods.registry import get_method
 from learnroute.route import Route
 
@@ -79,22 +79,16 @@ class RoutedPress(BasePress):
         kwargs: dict,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         entry = self.route.layers[module.layer_idx]
-        method = self._methods[entry.method]
         n = keys.shape[2]
-        if self._local[module.layer_idx] or n < hidden_states.shape[1]:
-            # Local sliding-window layers (Gemma3's) are left as they are, as kvpress does for
-            # Gemma3, and so is any layer whose cache holds only a window of the context.
-            return keys, values
-        n_kept = n if method.keeps_all else resolve_budget(entry.budget, n)
-        if n_kept >= n:
-            return keys, values
+        # Local sliding-window layers (Gemma3's) are left as they are, as kvpress does for
+        # Gemma3, and so is any layer whose cache holds only a window of the context: the
+        # engine's rule (Engine.is_fixed), through the same kept_count/select as the engine.
+        fixed = self._local[module.layer_idx] or n < hidden_states.shape[1]
+        n_kept = kept_count(entry.budget, n, keeps_all=self._methods[entry.method].keeps_all, fixed=fixed, held=n)
         capture = _hf.LayerCapture(module, hidden_states, keys, values, kwargs["position_embeddings"])
-        active = [(m, w) for m, w in entry.mixture or () if w > 0]
-        if len(active) > 1:  # a mixture layer: top-k of the mixed ranks, as the engine keeps
-            scores = mixed_scores({m: self._methods[m].score(capture, n_kept) for m, _ in active}, active)
-        else:
-            scores = self._methods[active[0][0] if active else entry.method].score(capture, n_kept)
-        idx = keep_indices(scores, n_kept)  # (B, H_kv, k)
+        idx = select(entry.method, entry.mixture, n_kept, n, lambda m: self._methods[m].score(capture, n_kept))
+        if idx is None:  # the layer keeps everything
+            return keys, values
         idx = idx.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])  # (B, H_kv, k, d)
         return keys.gather(2, idx).contiguous(), values.gather(2, idx).contiguous()
 

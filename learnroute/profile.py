@@ -28,9 +28,10 @@ from typing import Any
 import torch
 
 from learnroute.config import to_dict
-from learnroute.methods.base import resolve_budget
+from learnroute.methods.budgets import allocate_shares, resolve_budget
 from learnroute.methods.registry import METHODS
 from learnroute.route import Route, RouteError, budget_problem
+from learnroute.runs import device_problem
 from learnroute.tasks.ruler import Sample
 from learnroute.tasks.suite import calibration_problems, load_tasks
 
@@ -66,6 +67,9 @@ class ProfileConfig:
     select_by: str = field(default="kl", metadata={"help": "damage used to pick methods: kl or nll"})
     query_aware: bool = field(default=False, metadata={"help": "put the question in the prefill (scored)"})
     seed: int = field(default=0, metadata={"help": "seed of the calibration sample stream"})
+    device: str = field(
+        default="auto", metadata={"help": "auto (CUDA when available) | cpu | cuda (refused without CUDA)"}
+    )
     output: str = field(default="runs/profile", metadata={"help": "run folder"})
 
     def validate(self) -> list[str]:
@@ -89,6 +93,8 @@ class ProfileConfig:
             problems.append(f"select_by must be one of {', '.join(DAMAGES)}, got {self.select_by!r}")
         if self.context_tokens < 16:
             problems.append(f"context_tokens must be >= 16, got {self.context_tokens}")
+        if (p := device_problem(self.device)) is not None:
+            problems.append(p)
         return problems
 
 
@@ -187,8 +193,8 @@ def sample_damage(engine, sample: Sample, budgets: list[Budget], methods: list[s
             logp = torch.log_softmax(cell_logits.float(), -1)  # (R, a, V)
             row_kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1).mean(-1)  # (R,)
             row_nll = -logp.gather(-1, target[None, :, None].expand(R, -1, 1)).squeeze(-1).mean(-1) - ref_nll  # (R,)
-            kl[layer] = row_kl[row_of]
-            nll[layer] = row_nll[row_of]
+            kl[layer] = row_kl[row_of].cpu()
+            nll[layer] = row_nll[row_of].cpu()
         out["kl"][json.dumps(budget)] = kl.tolist()
         out["nll"][json.dumps(budget)] = nll.tolist()
     out["seconds"] = {
@@ -226,11 +232,12 @@ def _packed_cells(model, prefill, full_kv, layer: int, rows: list[torch.Tensor],
             kv.append((kept_k, kept_v))
         else:
             kv.append((keys, values))  # (1, H_kv, n, d), shared by every cell
-    cell = torch.arange(R).repeat_interleave(t)  # (R*t,) cell of each packed token
-    step = torch.arange(t).repeat(R)  # (R*t,) position inside its cell
+    dev = hidden.device  # the masks and offsets live with the model
+    cell = torch.arange(R, device=dev).repeat_interleave(t)  # (R*t,) cell of each packed token
+    step = torch.arange(t, device=dev).repeat(R)  # (R*t,) position inside its cell
     own = (cell[:, None] == cell[None, :]) & (step[None, :] <= step[:, None])  # (R*t, R*t) causal per cell
-    ctx_full = torch.ones(R * t, n, dtype=torch.bool)  # (R*t, n)
-    ctx_kept = cell[:, None] == torch.arange(R).repeat_interleave(k)[None, :]  # (R*t, R*k)
+    ctx_full = torch.ones(R * t, n, dtype=torch.bool, device=dev)  # (R*t, n)
+    ctx_kept = cell[:, None] == torch.arange(R, device=dev).repeat_interleave(k)[None, :]  # (R*t, R*k)
     mask_full = torch.cat([ctx_full, own], 1)[None, None]  # (1, 1, R*t, n + R*t)
     mask_layer = torch.cat([ctx_kept, own], 1)[None, None]  # (1, 1, R*t, R*k + R*t)
     windows = _hf.cache_windows(model)
@@ -245,14 +252,16 @@ def _packed_cells(model, prefill, full_kv, layer: int, rows: list[torch.Tensor],
             return mask_full
         if (w, held[j]) not in window_masks:
             c = held[j]
-            ctx = torch.arange(c)[None, :] > step[:, None] + c - w  # (R*t, c): n+s - (n-c+i) < w
+            ctx = torch.arange(c, device=dev)[None, :] > step[:, None] + c - w  # (R*t, c): n+s - (n-c+i) < w
             near = own & (step[:, None] - step[None, :] < w)  # (R*t, R*t)
             window_masks[(w, c)] = torch.cat([ctx, near], 1)[None, None]  # (1, 1, R*t, c + R*t)
         return window_masks[(w, held[j])]
 
     packed = hidden.expand(R, -1, -1).reshape(1, R * t, -1)  # (1, R*t, D)
     positions = pos.repeat(1, R)  # (1, R*t)
-    offsets = (torch.arange(R)[:, None] * t + torch.arange(keep.start, keep.stop)[None, :]).reshape(-1)  # (R*a,)
+    offsets = (  # (R*a,)
+        torch.arange(R, device=dev)[:, None] * t + torch.arange(keep.start, keep.stop, device=dev)[None, :]
+    ).reshape(-1)
     with _hf.routed_attention(model):
         logits = _hf.forward_from_layer(
             model,
@@ -285,54 +294,15 @@ def allocate_by_sensitivity(
     """Per-layer budgets: a floor for every layer, the rest shared in proportion to
     sensitivity, with the same total ``L x budget``.
 
-    Every layer first gets ``floor_share x budget`` (PyramidKV's smallest layer keeps
+    Every layer gets at least ``floor_share x budget`` (PyramidKV's smallest layer keeps
     about budget / 20 as well): a layer that looked insensitive on calibration data is
     not left with nothing. No layer gets more than ``cap`` (the profiled context length
-    for token budgets, 1.0 for fractions); what a capped layer cannot use goes to the
-    others in proportion to their sensitivity (water filling). Integer budgets keep at
-    least 1 token per layer and are rounded so the total is exactly ``L x min(budget, cap)``.
+    for token budgets, 1.0 for fractions). The arithmetic (floor, water filling, exact
+    integer totals) is :func:`learnroute.methods.budgets.allocate_shares`.
     """
     if (problem := budget_problem(budget)) is not None:
         raise ValueError(problem)
-    L = len(sens)
-    is_frac = isinstance(budget, float)
-    if not is_frac and cap is not None and cap < 1:
-        raise ValueError(f"cap must be >= 1 token, got {cap}")
-    limit = 1.0 if is_frac else float(cap if cap is not None else budget * L)
-    total = min(budget * L, limit * L)
-    floor = min(budget * floor_share, limit)
-    alloc = [floor] * L
-    weights = [max(s, 0.0) for s in sens]
-    extra = total - floor * L
-    active = set(range(L))
-    while extra > 1e-12 * total and active:  # relative: fractions may be tiny
-        wsum = sum(weights[i] for i in active)
-        give = {i: extra * (weights[i] / wsum if wsum > 0 else 1 / len(active)) for i in active}
-        over = [i for i in active if alloc[i] + give[i] > limit]
-        if not over:
-            for i in active:
-                alloc[i] += give[i]
-            break
-        for i in over:  # fill capped layers, then share the rest again
-            extra -= limit - alloc[i]
-            alloc[i] = limit
-            active.discard(i)
-    if is_frac:
-        return alloc
-    # Round down, within [1, cap], then move single tokens until the total is exact: to the
-    # layers furthest below their real-valued share, or (when the 1-token minimum pushed the
-    # sum over, e.g. many near-zero layers) from those furthest above it. Ties: lower layer.
-    hi = int(limit)
-    target = min(round(total), hi * L)  # >= L since budget >= 1 and cap >= 1
-    ints = [min(hi, max(1, int(a))) for a in alloc]
-    while (diff := target - sum(ints)) != 0:
-        if diff > 0:
-            order = sorted((i for i in range(L) if ints[i] < hi), key=lambda i: ints[i] - alloc[i])
-        else:
-            order = sorted((i for i in range(L) if ints[i] > 1), key=lambda i: alloc[i] - ints[i])
-        for i in order[: abs(diff)]:
-            ints[i] += 1 if diff > 0 else -1
-    return ints
+    return allocate_shares([max(s, 0.0) for s in sens], budget, cap=cap, floor=floor_share)
 
 
 def build_routes(
@@ -448,12 +418,14 @@ def run_profile(config: ProfileConfig, overwrite: bool = False, progress: bool =
     from tqdm import tqdm
 
     from learnroute import _hf
-    from learnroute.runs import atomic_write, append_jsonl, prepare_folder, read_jsonl
+    from learnroute.runs import atomic_write, append_jsonl, prepare_folder, read_jsonl, resolve_device
     from learnroute.engine import Engine
     from learnroute.models import load_model, model_name
 
+    device = resolve_device(config.device)  # cuda without CUDA is refused before anything is written
     out = prepare_folder(config, overwrite, is_main=True)
     model, tokenizer = load_model(config.model)
+    model.to(device)
     name = model_name(model)
     n_layers = len(_hf.attention_modules(model))
     samples = [s for _, s in load_tasks(config.tasks, tokenizer, config.context_tokens, "calibration", config.seed)]

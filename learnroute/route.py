@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from learnroute.methods.budgets import allocate
+from learnroute.methods.budgets import allocate, rescale_budgets
 from learnroute.methods.registry import METHODS
 
 SCHEMA = "learnroute.route/1"
@@ -195,6 +195,20 @@ class Route:
         """The same route with every mixture layer replaced by its heaviest method."""
         prov = {**self.provenance, "hardened_from_mixture": self.is_mixture}
         layers = [LayerRoute(e.method, e.budget) for e in self.layers]
+        return Route(layers, model=self.model, provenance=prov, adapter_path=self.adapter_path)
+
+    def rescaled(self, budget: Budget, free: list[bool] | None = None) -> Route:
+        """The route's methods (and mixtures, and adapter) with its per-layer budget shape
+        moved to mean ``budget`` over its ``free`` layers (default: all), by
+        :func:`learnroute.methods.budgets.rescale_budgets`: fractions capped at the whole
+        context with the excess shared by water filling, token budgets rounded to the exact
+        total. A route already at that mean comes back with the same budgets."""
+        try:
+            budgets = rescale_budgets(self.budgets, budget, free)
+        except ValueError as e:
+            raise RouteError(f"cannot rescale this route: {e}; use route_file_budgets=file") from None
+        prov = {**self.provenance, "rescaled_to": budget}
+        layers = [LayerRoute(e.method, b, e.mixture) for e, b in zip(self.layers, budgets)]
         return Route(layers, model=self.model, provenance=prov, adapter_path=self.adapter_path)
 
     def with_adapter(self, path: str | os.PathLike | None) -> Route:

@@ -18,10 +18,11 @@ import yaml
 
 from learnroute.config import ConfigError, to_dict
 
-# Config fields that change no score (batching changes float summation order at most;
-# stop_at_final_score shortens predictions whose score is already final): a rerun may
-# change them and still resume.
-_RESUME_FREE = ("output", "wandb", "wandb_project", "max_batch", "max_padding", "stop_at_final_score")
+# Config fields that change no score (batching and the device change float rounding at
+# most; stop_at_final_score shortens predictions whose score is already final): a rerun may
+# change them and still resume (and a run saved before ``device`` existed resumes).
+_RESUME_FREE = ("output", "wandb", "wandb_project", "max_batch", "max_padding", "stop_at_final_score", "device")
+DEVICES = ("auto", "cpu", "cuda")
 
 
 def versions() -> dict[str, Any]:
@@ -55,6 +56,27 @@ def versions() -> dict[str, Any]:
         "kvpress": version("kvpress"),
         "platform": platform.platform(),
     }
+
+
+def device_problem(device: str) -> str | None:
+    """What is wrong with a config's ``device`` key (None if nothing): auto | cpu | cuda."""
+    if device not in DEVICES:
+        return f"device must be auto, cpu or cuda, got {device!r}"
+    return None
+
+
+def resolve_device(device: str) -> str:
+    """The device a run puts its model on, the same rule in every verb: ``auto`` is cuda
+    when CUDA is available, else cpu; ``cuda`` without CUDA is a :class:`ConfigError`."""
+    import torch
+
+    if (problem := device_problem(device)) is not None:
+        raise ConfigError(problem)
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device=cuda but no CUDA device is available")
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
 
 
 def process_state():

@@ -20,20 +20,20 @@ rebuilds the answers from the folders alone (``learnroute report STUDY_FOLDER``)
 from __future__ import annotations
 
 import json
-import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import mean
 from typing import Any
 
 from learnroute.config import ConfigError, from_dict, to_dict
-from learnroute.gates.train import CANDIDATES, TrainConfig
+from learnroute.gates.config import CANDIDATES, TrainConfig
 from learnroute.route import Route, budget_problem
+from learnroute.runs import device_problem
+from learnroute.stats import VALID_FULL, paired, sample_scores, solved_tasks
 from learnroute.tasks.suite import check_tasks
 
 Budget = int | float
 PROTOCOLS = ("agnostic", "aware")
-VALID_FULL = 0.3  # tasks where the full cache scores below this are left out of averages
 # Keys of a variant that the study sets itself (one calibration set, one model, one budget list).
 TOKENS = ("@profile", "@profile_alloc", "@profile_best")  # study files a variant may start from
 STUDY_OWNED = ("model", "tasks", "context_tokens", "seed", "methods", "output", "query_aware")
@@ -107,6 +107,11 @@ class StudyConfig:
         metadata={"help": "bench and placement end an answer once its score can no longer change (RULER's "
                           "string matches: every reference found); same scores, far fewer decode steps"},
     )
+    device: str = field(
+        default="auto",
+        metadata={"help": "every stage's device: auto (CUDA when available) | cpu | cuda (refused without CUDA); "
+                          "train.device or a variant's device overrides it for training"},
+    )
     output: str = field(default="runs/study/default", metadata={"help": "study folder"})
 
     def validate(self) -> list[str]:
@@ -140,6 +145,8 @@ class StudyConfig:
                 problems.append(f"mixture_of: {v!r} is not a variant ({', '.join(self.variants)})")
         if self.placements < 0 or self.bootstrap < 100:
             problems.append("placements must be >= 0 and bootstrap >= 100")
+        if (p := device_problem(self.device)) is not None:
+            problems.append(p)
         # Every variant's training config must be valid (checked with the profile tokens
         # standing in for files that exist only once the profile has run).
         try:
@@ -165,7 +172,7 @@ class StudyConfig:
             owned = sorted(set(over) & set(STUDY_OWNED))
             if owned:
                 raise ConfigError(f"variant {name!r} sets {owned}; the study sets those for every variant")
-            data = {**self.train, **over}
+            data = {"device": self.device, **self.train, **over}
             data.update(
                 model=self.model,
                 tasks=dict(self.calibration),
@@ -176,6 +183,10 @@ class StudyConfig:
             )
             # A budget-robust route is trained over every budget the study benches it at.
             data.setdefault("budgets", self.all_budgets)
+            # Before the profile exists its files cannot be read: in the check, a method stands
+            # in for a token, so that a fixed-method variant (learn=budgets or none) starting
+            # from the profile's best method or from its route is checked as given a start.
+            fixed = data.get("learn") in ("budgets", "none")
             for key in ("init_route", "init_method"):
                 if isinstance(data.get(key), str) and data[key].startswith("@"):
                     if data[key] not in TOKENS:
@@ -183,8 +194,8 @@ class StudyConfig:
                             f"variant {name!r}: unknown study token {data[key]!r}; valid: {', '.join(TOKENS)}"
                         )
                     data[key] = None if check else self._resolve_token(out, data[key], data["budgets"])
-                    if check and key == "init_method" and data.get("learn") in ("budgets", "none"):
-                        data[key] = self.methods[0]  # stands in until the profile exists
+                    if check and fixed and (key == "init_method" or data.get("init_method") is None):
+                        data["init_method"] = self.methods[0]  # stands in until the profile exists
             out_cfgs[name] = data
         return out_cfgs
 
@@ -254,64 +265,110 @@ def route_name(variant: str) -> str:
 
 
 def run_study(config: StudyConfig, overwrite: bool = False) -> Path:
-    """Run (or resume) every stage; returns the study folder with study.md."""
-    from learnroute.bench import BenchConfig, run_bench
-    from learnroute.gates.export import export_cli
-    from learnroute.gates.train import run_train
-    from learnroute.placement import PlacementConfig, run_placement
-    from learnroute.profile import ProfileConfig, run_profile
+    """Run (or resume) every stage; returns the study folder with study.md.
+
+    Under torchrun / accelerate launch: training, bench and placement shard their samples
+    across ranks; the profile, the exports and the analysis run on rank 0 while the others
+    wait. Every rank decides what is left from the same files, after a barrier.
+    """
     from learnroute.runs import prepare_folder, process_state
 
-    # Under torchrun / accelerate launch: training, bench and placement shard their samples
-    # across ranks; the profile, the exports and the analysis run on rank 0 while the others
-    # wait. Every rank decides what is left from the same files, after a barrier.
     state = process_state()
-    first = state.is_main_process
-    out = prepare_folder(config, overwrite, is_main=first)
+    out = prepare_folder(config, overwrite, is_main=state.is_main_process)
     state.wait_for_everyone()
-    pb = config.profiled_budget
-    log = _say if first else (lambda msg: None)
-    # 1. profile (calibration samples)
-    if not (out / "profile" / "profile.json").is_file() and first:
-        log("stage 1/5: profile on calibration samples")
-        run_profile(
-            ProfileConfig(
-                model=config.model,
-                tasks=dict(config.calibration),
-                context_tokens=config.context_tokens,
-                budgets=config.profile_budgets,
-                methods=list(config.methods),
-                seed=config.calibration_seed,
-                output=str(out / "profile"),
-            )
-        )
-    state.wait_for_everyone()
-    # 2. train every variant (same calibration samples)
+    run = _Stages(config, out, state)
+    run.profile()
     variants = config.variant_configs(out)  # resolves @profile tokens: after the profile
-    for name, data in variants.items():
-        tcfg = from_dict(TrainConfig, data)
-        if not (Path(tcfg.output) / "route.json").is_file():
-            log(f"stage 2/5: train variant {name!r}")
-            run_train(tcfg)
-            state.wait_for_everyone()  # rank 0 writes route.json last
-    # 3. export the routes (cheap; always rewritten from the checkpoints)
-    routes = out / "routes"
-    if first:
-        routes.mkdir(exist_ok=True)
-        for name, data in variants.items():
-            run = Path(data["output"])
-            export_cli(run, routes / f"{route_name(name)}.json")
-            if name in config.mixture_of:
-                export_cli(run, routes / f"{route_name(name)}_mixture.json", mixture=True)
-    state.wait_for_everyone()
-    # 4. bench on eval samples, per protocol (each at its own budgets)
+    run.train(variants)
+    routes = run.export(variants)
     for protocol in config.protocols:
+        run.bench(protocol, variants, routes)
+    if config.placements > 0:
+        run.placement(routes)
+    if run.first:
+        analyze(out)
+    state.wait_for_everyone()  # every rank returns a folder with study.md
+    return out
+
+
+@dataclass
+class _Stages:
+    """The study's stages, each resumable on its own, run in order by :func:`run_study`."""
+
+    config: StudyConfig
+    out: Path
+    state: Any  # accelerate's process state (rank, barriers)
+
+    @property
+    def first(self) -> bool:
+        return self.state.is_main_process
+
+    def log(self, msg: str) -> None:
+        if self.first:
+            _say(msg)
+
+    def profile(self) -> None:
+        """1. Per-layer damage on calibration samples (rank 0; skipped once profile.json exists)."""
+        from learnroute.profile import ProfileConfig, run_profile
+
+        config, out = self.config, self.out
+        if not (out / "profile" / "profile.json").is_file() and self.first:
+            self.log("stage 1/5: profile on calibration samples")
+            run_profile(
+                ProfileConfig(
+                    model=config.model,
+                    tasks=dict(config.calibration),
+                    context_tokens=config.context_tokens,
+                    budgets=config.profile_budgets,
+                    methods=list(config.methods),
+                    seed=config.calibration_seed,
+                    device=config.device,
+                    output=str(out / "profile"),
+                )
+            )
+        self.state.wait_for_everyone()
+
+    def train(self, variants: dict[str, dict[str, Any]]) -> None:
+        """2. Every variant's gates, on the same calibration samples (skipped once route.json exists)."""
+        from learnroute.gates.train import run_train, shared_calibration
+
+        # The variants share one calibration set: prefilled once for all of them, and
+        # released when the stage ends (the bench and placement stages need none of it).
+        with shared_calibration():
+            for name, data in variants.items():
+                tcfg = from_dict(TrainConfig, data)
+                if not (Path(tcfg.output) / "route.json").is_file():
+                    self.log(f"stage 2/5: train variant {name!r}")
+                    run_train(tcfg)
+                    self.state.wait_for_everyone()  # rank 0 writes route.json last
+
+    def export(self, variants: dict[str, dict[str, Any]]) -> Path:
+        """3. Every variant's route (and mixture route) into ``routes/``: cheap, always
+        rewritten from the checkpoints (rank 0). Returns the folder."""
+        from learnroute.gates.export import export_cli
+
+        routes = self.out / "routes"
+        if self.first:
+            routes.mkdir(exist_ok=True)
+            for name, data in variants.items():
+                run = Path(data["output"])
+                export_cli(run, routes / f"{route_name(name)}.json")
+                if name in self.config.mixture_of:
+                    export_cli(run, routes / f"{route_name(name)}_mixture.json", mixture=True)
+        self.state.wait_for_everyone()
+        return routes
+
+    def bench_routes(self, protocol: str, variants: dict[str, dict[str, Any]], routes: Path) -> list[str]:
+        """The route specs one protocol benches: full, homogeneous, pyramid, the profile's and
+        every variant's routes (a variant trained for one budget at that budget only)."""
+        config, prof = self.config, self.out / "profile"
         budgets = config.protocol_budgets(protocol)
         specs = ["full"] + [f"homogeneous:{m}" for m in config.methods] + [f"pyramid:{m}" for m in config.pyramid]
         if config.profile_all_budgets:  # each budget's profile routes at that budget only
-            specs += [str(out / "profile" / f"profile_{b}{s}.json@{b}") for b in budgets for s in ("", "_alloc")]
+            specs += [str(prof / f"profile_{b}{s}.json@{b}") for b in budgets for s in ("", "_alloc")]
         else:
-            specs += [str(out / "profile" / f"profile_{pb}.json"), str(out / "profile" / f"profile_{pb}_alloc.json")]
+            pb = config.profiled_budget
+            specs += [str(prof / f"profile_{pb}.json"), str(prof / f"profile_{pb}_alloc.json")]
         for name, data in variants.items():
             names = [route_name(name)] + ([f"{route_name(name)}_mixture"] if name in config.mixture_of else [])
             # A variant trained for one budget (per_budget) is benched at that budget only,
@@ -322,54 +379,62 @@ def run_study(config: StudyConfig, overwrite: bool = False) -> Path:
                     continue
                 pin = f"@{data['budgets'][0]}"
             specs += [f"{routes / n}.json{pin}" for n in names]
-        log(f"stage 4/5: bench ({protocol}) on eval samples")
+        return specs
+
+    def bench(self, protocol: str, variants: dict[str, dict[str, Any]], routes: Path) -> None:
+        """4. Eval samples, one protocol at its own budgets (bench skips finished samples)."""
+        from learnroute.bench import BenchConfig, run_bench
+
+        config = self.config
+        self.log(f"stage 4/5: bench ({protocol}) on eval samples")
         run_bench(
             BenchConfig(
                 model=config.model,
                 tasks=dict(config.eval_tasks),
                 context_tokens=config.context_tokens,
-                budgets=budgets,
-                routes=specs,
+                budgets=config.protocol_budgets(protocol),
+                routes=self.bench_routes(protocol, variants, routes),
                 query_aware=protocol == "aware",
                 seed=config.eval_seed,
                 max_new_tokens=config.max_new_tokens,
                 stop_at_final_score=config.stop_at_final_score,
-                output=str(out / f"bench_{protocol}"),
+                device=config.device,
+                output=str(self.out / f"bench_{protocol}"),
             )
         )
-    # 5. placement of the main learned route (query-agnostic, at one budget)
-    if config.placements > 0:
-        log("stage 5/5: placement study of the learned route")
-        from learnroute.bench import rescale
 
+    def placement(self, routes: Path) -> None:
+        """5. The chosen variant's route (query-agnostic, at one budget) among random
+        placements of its methods; none when every candidate uses one method everywhere."""
+        from learnroute.placement import PlacementConfig, run_placement
+
+        config, out = self.config, self.out
+        self.log("stage 5/5: placement study of the learned route")
         b = config.placement_budget if config.placement_budget is not None else config.budgets[0]
         chosen = config.placement_choice(routes)
         if chosen is None:
-            log(f"the routes of {', '.join(config.placement_candidates)} use one method in every layer: no placement "
-                "study (question 4 n/a; placement_variant may name other variants)")
-        else:
-            given = out / "placement_route.json"
-            new = rescale(Route.from_file(routes / f"{route_name(chosen)}.json"), b)
-            if first and (not given.is_file() or Route.from_file(given).to_dict() != new.to_dict()):
-                new.to_file(given)
-            state.wait_for_everyone()
-            run_placement(
-                PlacementConfig(
-                    route=str(given),
-                    n_placements=config.placements,
-                    model=config.model,
-                    tasks=dict(config.eval_tasks),
-                    context_tokens=config.context_tokens,
-                    seed=config.eval_seed,
-                    max_new_tokens=config.max_new_tokens,
-                    stop_at_final_score=config.stop_at_final_score,
-                    output=str(out / "placement"),
-                )
+            self.log(f"the routes of {', '.join(config.placement_candidates)} use one method in every layer: no "
+                     "placement study (question 4 n/a; placement_variant may name other variants)")
+            return
+        given = out / "placement_route.json"
+        new = Route.from_file(routes / f"{route_name(chosen)}.json").rescaled(b)
+        if self.first and (not given.is_file() or Route.from_file(given).to_dict() != new.to_dict()):
+            new.to_file(given)
+        self.state.wait_for_everyone()
+        run_placement(
+            PlacementConfig(
+                route=str(given),
+                n_placements=config.placements,
+                model=config.model,
+                tasks=dict(config.eval_tasks),
+                context_tokens=config.context_tokens,
+                seed=config.eval_seed,
+                max_new_tokens=config.max_new_tokens,
+                stop_at_final_score=config.stop_at_final_score,
+                device=config.device,
+                output=str(out / "placement"),
             )
-    if first:
-        analyze(out)
-    state.wait_for_everyone()  # every rank returns a folder with study.md
-    return out
+        )
 
 
 def _say(msg: str) -> None:
@@ -379,40 +444,6 @@ def _say(msg: str) -> None:
 
 
 # ---------------------------------------------------------------------------- analysis
-
-
-def paired(a: dict[str, float], b: dict[str, float], n_boot: int, seed: int = 0) -> dict[str, Any]:
-    """Mean of a - b over the samples both have, with a percentile bootstrap 95 % interval
-    (resampling samples; seeded). ``verdict``: win / loss / tie (the interval holds 0)."""
-    ids = sorted(set(a) & set(b))
-    d = [a[i] - b[i] for i in ids]
-    if not d:
-        return {"n": 0, "diff": None, "lo": None, "hi": None, "verdict": "n/a"}
-    rng = random.Random(seed)
-    boots = sorted(mean(rng.choice(d) for _ in d) for _ in range(n_boot))
-    lo, hi = boots[int(0.025 * n_boot)], boots[int(0.975 * n_boot) - 1]
-    verdict = "tie" if lo <= 0 <= hi else ("win" if lo > 0 else "loss")
-    return {"n": len(d), "diff": mean(d), "lo": lo, "hi": hi, "verdict": verdict}
-
-
-def solved_tasks(rows: list[dict]) -> tuple[dict[str, float], set[str]]:
-    """The full cache's mean score per task, and the tasks it solves (>= ``VALID_FULL``):
-    those the averages use. If none qualifies (e.g. a tiny random model), every task."""
-    by_task: dict[str, list[float]] = {}
-    for r in rows:
-        if r["route"] == "full":
-            by_task.setdefault(r["task"], []).append(float(r["score"]))
-    full_task = {t: mean(v) for t, v in by_task.items()}
-    return full_task, {t for t, s in full_task.items() if s >= VALID_FULL} or set(full_task)
-
-
-def sample_scores(rows: list[dict], tasks: set[str]) -> dict[tuple[str, str], dict[str, float]]:
-    """(route, budget JSON) -> sample id -> score, over ``tasks``."""
-    out: dict[tuple[str, str], dict[str, float]] = {}
-    for r in rows:
-        if r["task"] in tasks:
-            out.setdefault((r["route"], json.dumps(r["budget"])), {})[r["sample_id"]] = float(r["score"])
-    return out
 
 
 def _label(route: str) -> str:
@@ -427,7 +458,7 @@ def analyze(folder: str | Path, rescore: bool = False) -> dict[str, Any]:
     """The study's answers from its folders alone; writes study.json and study.md."""
     import yaml
 
-    from learnroute.report import load_rows
+    from learnroute.summary import load_rows
     from learnroute.runs import atomic_write
 
     folder = Path(folder)

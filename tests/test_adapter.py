@@ -284,8 +284,8 @@ def test_exported_adapter_reloads_to_the_training_logits(fixed_run, tiny_dir, tm
     gates = T.build_gates(config, 4, [True] * 4)
     logged = [r["val_ce"] for r in read_jsonl(fixed_run / "history.jsonl") if "val_ce" in r]
     with A.using(model, A.Adapter.load(fixed_run / "route.adapter")):
-        again = T.validate_hard(model, gates, val, config.budgets, config.eps)
-    without = T.validate_hard(model, gates, val, config.budgets, config.eps)
+        again = T.validate_hard(model, gates, val, T.validation_routes(gates, config), config.eps)
+    without = T.validate_hard(model, gates, val, T.validation_routes(gates, config), config.eps)
     assert again == pytest.approx(logged[-1], abs=1e-5) and without == pytest.approx(logged[0], abs=1e-5)
     assert again != pytest.approx(without, abs=1e-4)
     s = pairs[0][1]

@@ -23,8 +23,9 @@ from learnroute.config import ConfigError, load_config
 from learnroute.engine import Engine
 from learnroute.gates import train as T
 from learnroute.gates.export import export_cli
-from learnroute.gates.gates import Gates, round_exact
-from learnroute.methods.base import Method, keep_indices
+from learnroute.gates.gates import Gates
+from learnroute.methods.base import Method
+from learnroute.methods.select import keep_indices
 from learnroute.methods.registry import register_method, unregister_method
 from learnroute.methods.scorers import TOVA
 from learnroute.route import Route, RouteError
@@ -147,20 +148,9 @@ def test_budgets_keep_the_total_and_the_cap(logits, mean, floor, n):
     k = gates.budgets(mean, n).detach()
     assert float(k.sum()) == pytest.approx(mean * L, rel=1e-4)
     assert float(k.max()) <= n + 1e-3 and float(k.min()) >= floor * mean - 1e-4
-    hard = gates.hard_budgets(mean, n)
-    assert sum(hard) == round(mean * L) and max(hard) <= n and min(hard) >= 1
-
-
-@settings(max_examples=60, deadline=None)
-@given(
-    b=st.lists(st.floats(0.0, 50.0), min_size=1, max_size=20),
-    cap=st.integers(1, 60),
-    total=st.integers(0, 2000),
-)
-def test_round_exact_hits_the_total_within_bounds(b, cap, total):
-    ints = round_exact(b, total, cap)
-    assert sum(ints) == max(len(b), min(total, len(b) * cap))
-    assert all(1 <= x <= cap for x in ints)
+    b = max(1, int(mean))
+    hard = gates.harden(b, n).budgets  # tokens: integers with the exact total
+    assert sum(hard) == b * L and max(hard) <= n and min(hard) >= 1
 
 
 def test_fixed_layers_have_no_gate_and_keep_everything():
@@ -183,7 +173,7 @@ def test_init_route_shape_with_init_method(tmp_path):
                         learn="budgets", budget_floor=0.05)
     gates = T.build_gates(cfg, 4, [True] * 4)
     n = 1000
-    assert gates.hard_budgets(0.1 * n, n) == [round(b * n) for b in budgets]
+    assert gates.harden(100, n).budgets == [round(b * n) for b in budgets]
     assert gates.theta.argmax(-1).tolist() == [2] * 4  # keydiff
 
 
@@ -321,19 +311,18 @@ def test_a_second_run_on_the_same_samples_reuses_their_prefills(tiny_dir, tmp_pa
     and a run from reused ones ends with the same gates as one that prefilled."""
     from learnroute.engine import Engine
 
-    T._ITEMS.clear()
     for d in ("a", "b", "c"):
         (tmp_path / d).mkdir()
-    assert train(write_config(tmp_path / "a", tiny_dir, steps=3, save_every=3)) == 0
-    monkeypatch.setattr(Engine, "prefill", lambda *a, **k: (_ for _ in ()).throw(AssertionError("prefilled again")))
-    assert train(write_config(tmp_path / "b", tiny_dir, steps=3, save_every=3, lr=0.05)) == 0
-    a, _ = T.load_gates(tmp_path / "a" / "run" / "gates.safetensors")
-    b, _ = T.load_gates(tmp_path / "b" / "run" / "gates.safetensors")
-    assert not torch.equal(a["theta"], b["theta"])  # a real second run (its lr differs)
-    # another method set needs other scores: the cache must not serve it
-    with pytest.raises(AssertionError, match="prefilled again"):
-        train(write_config(tmp_path / "c", tiny_dir, steps=3, methods=["snapkv", "tova"]))
-    T._ITEMS.clear()
+    with T.shared_calibration():
+        assert train(write_config(tmp_path / "a", tiny_dir, steps=3, save_every=3)) == 0
+        monkeypatch.setattr(Engine, "prefill", lambda *a, **k: (_ for _ in ()).throw(AssertionError("prefilled again")))
+        assert train(write_config(tmp_path / "b", tiny_dir, steps=3, save_every=3, lr=0.05)) == 0
+        a, _ = T.load_gates(tmp_path / "a" / "run" / "gates.safetensors")
+        b, _ = T.load_gates(tmp_path / "b" / "run" / "gates.safetensors")
+        assert not torch.equal(a["theta"], b["theta"])  # a real second run (its lr differs)
+        # another method set needs other scores: the cache must not serve it
+        with pytest.raises(AssertionError, match="prefilled again"):
+            train(write_config(tmp_path / "c", tiny_dir, steps=3, methods=["snapkv", "tova"]))
     monkeypatch.undo()
     (tmp_path / "d").mkdir()
     assert train(write_config(tmp_path / "d", tiny_dir, steps=3, save_every=3, lr=0.05)) == 0
@@ -504,3 +493,146 @@ def test_budget_scaled_temperature_is_as_sharp_at_small_budgets():
         kept[scale] = float(m[0].gather(-1, top).mean())
     # rank units smear the few kept tokens; budget units keep them almost whole
     assert kept["budget"] > 0.9 and kept["rank"] < kept["budget"] - 0.2, kept
+
+
+# ---------------------------------------------------------------------------- validated = benched
+
+
+def _kept_sets(masks: torch.Tensor) -> list[list[set[int]]]:
+    """Per (layer, head) the kept positions of 0/1 masks (L, H, n)."""
+    return [[set(torch.nonzero(masks[layer, h]).flatten().tolist()) for h in range(masks.shape[1])]
+            for layer in range(masks.shape[0])]
+
+
+@pytest.mark.parametrize("learn", ["budgets", "both"])
+def test_validation_keeps_the_tokens_the_engine_keeps_for_the_exported_route(tiny_dir, tmp_path, learn):
+    """The route validation scores is the route users run: for a trained run, the kept
+    positions per (layer, KV head) that validation uses equal those the Engine keeps for
+    the exported route.json, rescaled by bench, at a fractional budget (0.2), a token
+    budget (50) and a budget where layers hit the whole context (0.6)."""
+    from learnroute.bench import BenchConfig, resolve_routes
+    from learnroute.gates.export import chosen_checkpoint, gates_from_checkpoint
+    from learnroute.models import load_model
+    from learnroute.profile import teacher_forcing
+    from learnroute.tasks.suite import load_tasks
+
+    shape = tmp_path / "shape.json"
+    Route.from_layers(["tova"] * 4, [0.05, 0.05, 0.4, 0.3]).to_file(shape)  # mean 0.2; layer 2 at 2x the mean
+    budgets = [0.2, 50, 0.6]
+    cfg = write_config(tmp_path, tiny_dir, budgets=budgets, steps=3, eval_every=1, learn=learn, init_route=str(shape),
+                       init_method="tova" if learn == "budgets" else None, lr=0.2)
+    assert train(cfg) == 0
+    run = tmp_path / "run"
+    config = load_config(T.TrainConfig, run / "config.yaml")
+    assert export_cli(run, tmp_path / "exported.json") == Route.from_file(run / "route.json")
+
+    model, tok = load_model(str(tiny_dir))
+    engine = Engine(model, tok)
+    gates, _ = gates_from_checkpoint(chosen_checkpoint(run, config.select), config, None, 4)
+    validated = T.validation_routes(gates, config)
+    benched = {c.budget: c.route for c in resolve_routes(
+        BenchConfig(routes=[str(run / "route.json")], budgets=budgets), 4, None)}
+    assert max(benched[0.6].budgets) == 1.0  # the capped case is exercised
+    assert all(isinstance(b, int) for b in benched[50].budgets)
+    (task, sample), = load_tasks({"niah_single_1": 1}, tok, config.context_tokens, "calibration", 7)
+    item = T.prepare_item(engine, task, sample, config.methods, False)
+    prefill = engine.prefill(teacher_forcing(engine, sample).prompt)
+    n = prefill.n_tokens
+    for b in budgets:
+        ours = _kept_sets(gates.hard_masks(item.ranks, validated[b]))
+        route = benched[b]
+        counts = engine.kept_counts(route, n, prefill.layer_tokens)
+        for layer, e in enumerate(route.layers):
+            idx = engine.kept_indices(prefill, layer, e.method, counts[layer], e.mixture)[0]  # (H_kv, k)
+            assert [set(row.tolist()) for row in idx] == ours[layer], (b, layer)
+
+
+def _one_sample(tok, n_tokens=200):
+    from learnroute.tasks.suite import load_tasks
+
+    (_, sample), = load_tasks({"niah_single_1": 1}, tok, n_tokens, "calibration", 3)
+    return sample
+
+
+def test_fixed_route_masks_keep_what_the_engine_keeps(tiny_dir):
+    """learn: none trains against its route's hard masks: the same token counts (the
+    engine floors a fraction of the context; rounding kept one more token before) and the
+    same positions as the Engine."""
+    from learnroute.gates.cotrain import FixedGates
+    from learnroute.models import load_model
+
+    model, tok = load_model(str(tiny_dir))
+    engine = Engine(model, tok)
+    methods = ["snapkv", "tova", "knorm", "streaming_llm"]
+    route = Route.from_layers(["snapkv", "tova", "knorm", "streaming_llm"], [0.1, 0.3, 0.2, 0.2],
+                              mixtures=[None, {"tova": 0.5, "knorm": 0.5}, None, None])
+    fixed = FixedGates(methods, [True] * 4, route)
+    sample = _one_sample(tok)
+    item = T.prepare_item(engine, "niah", sample, methods, False)
+    n = item.n_tokens
+    for b in (0.2, 0.237, 33):
+        r = fixed.harden(b, n)
+        prefill = engine.prefill(engine.encode(sample.context, sample.question, sample.answer_prefix))
+        counts = engine.kept_counts(r, n)
+        ours = _kept_sets(fixed.hard_masks(item.ranks, r))
+        for layer, e in enumerate(r.layers):
+            idx = engine.kept_indices(prefill, layer, e.method, counts[layer], e.mixture)[0]
+            assert [set(row.tolist()) for row in idx] == ours[layer], (b, layer)
+
+
+def test_export_follows_select_last(tiny_dir, tmp_path):
+    """select: last exports the final gates, as the run's own route.json does, even when a
+    best.safetensors exists (it used to be preferred silently)."""
+    assert train(write_config(tmp_path, tiny_dir, steps=4, eval_every=1, select="last", lr=0.3)) == 0
+    run = tmp_path / "run"
+    assert (run / "best.safetensors").is_file()
+    exported = export_cli(run, tmp_path / "out.json")
+    assert exported.provenance["checkpoint"].endswith("gates.safetensors")
+    assert exported == Route.from_file(run / "route.json")
+
+
+def test_first_token_weight_zero_with_a_one_token_answer_is_finite(tiny_dir):
+    from learnroute.models import load_model
+
+    model, tok = load_model(str(tiny_dir))
+    engine = Engine(model, tok)
+    item = T.prepare_item(engine, "niah", _one_sample(tok), ["tova", "knorm"], False)
+    one = T.CalibItem(item.sample_id, item.task, item.kv, item.ranks, item.ids[:, : item.keep.start + 2],
+                      item.positions[:, : item.keep.start + 2], slice(item.keep.start, item.keep.start + 1),
+                      item.target[:1], None)
+    gates = Gates(["tova", "knorm"], [True] * 4)
+    masks = gates.soft_masks(one.ranks, 0.3 * one.n_tokens, temperature=1.0, tau=0.05)
+    loss, ce = T.answer_loss(model, one, masks, eps=1e-6, first_token_weight=0.0)
+    loss.backward()
+    assert float(loss.detach()) == 0.0 and torch.isfinite(gates.beta.grad).all()
+
+
+def test_calibration_prefills_are_released_after_a_run(tiny_dir, tmp_path, monkeypatch):
+    """Outside shared_calibration a run keeps no calibration cache alive once it returns
+    (a study's bench and placement stages used to carry every one in memory)."""
+    import gc
+    import weakref
+
+    refs = []
+    real = T.prepare_item
+
+    def spy(*a, **k):
+        item = real(*a, **k)
+        refs.append(weakref.ref(item.kv[0][0]))
+        return item
+
+    monkeypatch.setattr(T, "prepare_item", spy)
+    assert train(write_config(tmp_path, tiny_dir, steps=2)) == 0
+    gc.collect()
+    assert refs and all(r() is None for r in refs)
+
+
+def test_init_route_shape_is_read_over_the_compressible_layers(tmp_path):
+    """A fixed (never compressed) layer's nominal budget is not part of the shape: the
+    warm start reproduces the free layers' budgets at their own mean."""
+    path = tmp_path / "shape.json"
+    Route.from_layers(["tova"] * 4, [0.1, 0.9, 0.2, 0.3]).to_file(path)  # layer 1 fixed; free mean 0.2
+    cfg = T.TrainConfig(methods=["tova", "keydiff"], init_route=str(path), learn="budgets", budget_floor=0.05)
+    gates = T.build_gates(cfg, 4, [True, False, True, True])
+    got = gates.harden(0.2, 1000).budgets
+    assert [got[i] for i in (0, 2, 3)] == pytest.approx([0.1, 0.2, 0.3], rel=1e-5)

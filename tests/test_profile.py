@@ -190,7 +190,7 @@ def test_placement_study_ranks_the_given_route(tiny_dir, tmp_path):
     from learnroute.runs import read_jsonl
     from learnroute.cli import main
     from learnroute.placement import draw_placements, n_distinct_placements
-    from learnroute.report import summarize
+    from learnroute.summary import summarize
 
     route = lr.Route.from_layers(["snapkv", "snapkv", "knorm", "streaming_llm"], 32, model="tiny", source="test")
     placements = draw_placements(route, 100, seed=3)
@@ -215,6 +215,9 @@ def test_placement_study_ranks_the_given_route(tiny_dir, tmp_path):
     assert main(argv) == 0
     result = json.loads((out / "placement.json").read_text())
     assert result["of"] == 6 and 1 <= result["rank"] <= 6 and len(result["placement_scores"]) == 5
+    # the rank is the given route's among the scores written beside it (ties share the better rank)
+    given, others = result["given_score"], result["placement_scores"]
+    assert result["rank"] == 1 + sum(s > given for s in others) and result["ties"] == others.count(given)
     rows = read_jsonl(out / "results.jsonl")
     assert len(rows) == 2 * (6 + 1)  # 2 samples x (given + 5 placements + full)
     assert (out / "placement.png").is_file() and "rank" in (out / "placement.md").read_text()
@@ -228,6 +231,26 @@ def test_placement_study_ranks_the_given_route(tiny_dir, tmp_path):
         from learnroute.placement import PlacementConfig, run_placement
 
         run_placement(lc(PlacementConfig, None, argv[1:] + ["placement_seed=9"]))
+
+
+@pytest.mark.parametrize(
+    "scores, rank, ties, better_than",
+    [
+        # two better (e, a), two tied (b, d), one worse (c): rank 3 of 6, better than 1 of 5
+        ({"given": 0.5, "a": 0.75, "b": 0.5, "c": 0.25, "d": 0.5, "e": 1.0}, 3, 2, 1 / 5),
+        ({"given": 1.0, "a": 0.0, "b": 0.5}, 1, 0, 1.0),  # the best
+        ({"given": 0.0, "a": 0.5, "b": 0.25}, 3, 0, 0.0),  # the worst
+        ({"given": 0.25, "a": 0.25, "b": 0.25}, 1, 2, 0.0),  # all tied: rank 1, better than none
+        ({"given": 0.25, "a": 0.5, "b": 0.5, "c": 0.25, "d": 0.0}, 3, 1, 1 / 4),  # ties above and at
+        ({"given": 0.5}, 1, 0, 0.0),  # alone
+    ],
+)
+def test_placement_rank_matches_a_hand_computed_ranking(scores, rank, ties, better_than):
+    from learnroute.placement import rank_of
+
+    got = rank_of(scores, "given")
+    assert got == {"rank": rank, "of": len(scores), "ties": ties, "given_score": scores["given"],
+                   "better_than_fraction": pytest.approx(better_than)}
 
 
 def test_calibration_samples_never_equal_eval_samples(tokenizer):

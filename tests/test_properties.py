@@ -161,10 +161,122 @@ def test_sensitivity_allocation_of_fractions_keeps_the_total_floor_and_cap(sens,
 def test_rescaled_fraction_routes_keep_their_total(weights, budget):
     """bench's rescale of a fractional route caps layers at the whole context and hands the
     excess on, so the route keeps L x budget (clipping alone lost it)."""
-    from learnroute.bench import rescale
-
     total = sum(weights)
     route = Route.from_layers(["tova"] * len(weights), [max(1e-6, 0.5 * w / total) for w in weights])
-    out = rescale(route, budget)
+    out = route.rescaled(budget)
     assert max(out.budgets) <= 1.0 + 1e-12
     assert sum(out.budgets) == pytest.approx(budget * len(weights), rel=1e-9)
+
+
+# ------------------------------------------------------------------ the one budget arithmetic (learnroute.methods.budgets)
+
+# Weights of 0 or at least 1e-6: products with subnormal floats underflow in any arithmetic.
+weight_lists = st.lists(st.one_of(st.just(0.0), st.floats(min_value=1e-6, max_value=100.0)), min_size=1, max_size=40)
+
+
+def _water_fill(weights, total, cap):
+    import torch
+
+    from learnroute.methods.budgets import water_fill
+
+    return water_fill(torch.tensor(weights, dtype=torch.float64), total, cap).tolist()
+
+
+@given(w=weight_lists, mean=st.one_of(st.just(0.0), st.floats(min_value=1e-6, max_value=2.0)), cap=st.floats(min_value=0.05, max_value=1.0))
+def test_water_fill_keeps_the_total_the_cap_and_one_scale(w, mean, cap):
+    """Definition: k_l = min(cap, c·w_l) for one c, total L·mean (what fits under the cap)."""
+    L = len(w)
+    k = _water_fill(w, L * mean, cap)
+    total = min(L * mean, L * cap)
+    assert sum(k) == pytest.approx(total, rel=1e-9, abs=1e-9)
+    assert all(0.0 <= x <= cap for x in k)
+    if sum(w) > 0 and total < L * cap * (1 - 1e-9):
+        # every layer below the cap is at the same multiple c of its weight
+        ratios = [x / wi for x, wi in zip(k, w) if wi > 0 and x < cap * (1 - 1e-9)]
+        assert not ratios or max(ratios) == pytest.approx(min(ratios), rel=1e-6)
+        # and a capped layer's weight is at least any uncapped layer's
+        capped = [wi for x, wi in zip(k, w) if x >= cap * (1 - 1e-9)]
+        uncapped = [wi for x, wi in zip(k, w) if x < cap * (1 - 1e-9)]
+        assert not capped or not uncapped or min(capped) >= max(uncapped) * (1 - 1e-9)
+
+
+means = st.one_of(st.just(0.0), st.floats(min_value=1e-6, max_value=1.0))
+
+
+@given(w=weight_lists, lo=means, hi=means)
+def test_water_fill_is_monotone_in_the_mean_and_rescaling_up_composes(w, lo, hi):
+    lo, hi = min(lo, hi), max(lo, hi)
+    L = len(w)
+    a, b = _water_fill(w, L * lo, 1.0), _water_fill(w, L * hi, 1.0)
+    assert all(x <= y + 1e-9 for x, y in zip(a, b))  # more budget never takes from a layer
+    if sum(w) > 0 and lo > 0:
+        # the allocation made at lo, rescaled to hi, is the allocation made at hi directly
+        again = _water_fill(a, L * hi, 1.0)
+        assert again == pytest.approx(b, rel=1e-6, abs=1e-9)
+
+
+@given(
+    values=st.lists(st.floats(min_value=1.0, max_value=60.0), min_size=1, max_size=30),
+    cap=st.integers(min_value=60, max_value=100),
+)
+def test_round_exact_is_within_one_token_of_each_value(values, cap):
+    from learnroute.methods.budgets import round_exact
+
+    total = round(sum(values))
+    ints = round_exact(values, total, cap)
+    assert sum(ints) == total
+    assert all(1 <= x <= cap for x in ints)
+    assert all(abs(x - v) < 1 + 1e-9 for x, v in zip(ints, values)), (ints, values)
+
+
+@given(
+    b=st.lists(st.floats(0.0, 50.0), min_size=1, max_size=20),
+    cap=st.integers(1, 60),
+    total=st.integers(0, 2000),
+)
+def test_round_exact_hits_the_clipped_total_within_bounds(b, cap, total):
+    from learnroute.methods.budgets import round_exact
+
+    ints = round_exact(b, total, cap)
+    assert sum(ints) == max(len(b), min(total, len(b) * cap))
+    assert all(1 <= x <= cap for x in ints)
+
+
+@given(
+    shares_=st.lists(st.floats(min_value=0.0, max_value=10.0), min_size=1, max_size=30),
+    lo=st.integers(min_value=1, max_value=500),
+    hi=st.integers(min_value=1, max_value=500),
+    cap=st.integers(min_value=1, max_value=600),
+)
+def test_token_allocation_is_exact_capped_and_monotone(shares_, lo, hi, cap):
+    """allocate_shares (profile and gates alike): exact integer totals, caps, and each
+    layer within one token of its real-valued share; more mean budget never takes a token
+    from a layer beyond rounding."""
+    import torch
+
+    from learnroute.methods.budgets import allocate_shares, floored_weights, water_fill
+
+    lo, hi = min(lo, hi), max(lo, hi)
+    L = len(shares_)
+    a, b = allocate_shares(shares_, lo, cap=cap, floor=0.05), allocate_shares(shares_, hi, cap=cap, floor=0.05)
+    for budget, ints in ((lo, a), (hi, b)):
+        assert sum(ints) == L * min(budget, cap)
+        assert all(1 <= x <= cap for x in ints)
+        real = water_fill(floored_weights(torch.tensor(shares_, dtype=torch.float64), 0.05), budget * L, cap).tolist()
+        if all(r >= 1 for r in real):
+            assert all(abs(x - r) < 1 + 1e-6 for x, r in zip(ints, real))
+    assert all(y >= x - 1 for x, y in zip(a, b))
+
+
+@given(
+    w=st.lists(st.floats(min_value=0.01, max_value=1.0), min_size=2, max_size=20),
+    budget=st.floats(min_value=0.01, max_value=0.5),
+)
+def test_a_route_at_its_own_mean_rescales_to_itself(w, budget):
+    """Rescaling must not drift a token: a route already at the mean keeps its budgets."""
+    shape = [max(1e-6, budget * x / (sum(w) / len(w))) for x in w]
+    if max(shape) > 1.0:
+        return
+    route = Route.from_layers(["tova"] * len(w), shape)
+    mean = sum(route.budgets) / len(w)
+    assert route.rescaled(mean).budgets == route.budgets

@@ -70,16 +70,25 @@ def test_study_end_to_end_then_nothing_to_redo(tiny_dir, tmp_path, monkeypatch, 
     by_task = result["protocols"]["agnostic"]["budgets"][0]["by_task"]["learned"]
     assert len(own) == 2 and by_task["niah_single_2"] == pytest.approx(sum(own) / 2)
     assert "| niah_single_1 (" in (out / "study.md").read_text()
-    # placement_variant: the first of warm, learned whose route has two or more methods
+    # placement_variant: the first of warm, learned whose route has two or more methods. The
+    # warm variant starts from the profile's per-layer best methods, which differ by layer on
+    # this model: placement runs (a study whose routes all use one method skips it).
     methods = {v: {layer["method"] for layer in json.loads((out / "routes" / f"{v}.json").read_text())["layers"]}
                for v in ("learned_warm", "learned")}
     chosen = next((v for v, m in methods.items() if len(m) > 1), None)
-    if chosen is not None:
-        assert result["q4_placement"]["of"] == 4 and result["q4_placement"]["variant"] == chosen
-        placed = json.loads((out / "placement_route.json").read_text())
-        assert {layer["method"] for layer in placed["layers"]} == methods[chosen]
-    else:  # one method everywhere: no other placement exists, and the study says so
-        assert "q4_placement" not in result
+    assert chosen is not None, methods
+    assert (out / "placement" / "placement.json").is_file() and (out / "placement" / "placement.md").is_file()
+    q4 = result["q4_placement"]
+    assert q4["of"] == 4 and q4["variant"] == chosen
+    placed = json.loads((out / "placement_route.json").read_text())
+    assert {layer["method"] for layer in placed["layers"]} == methods[chosen]
+    # the rank is the given route's among the placement scores the study wrote (ties share the better rank)
+    placement = json.loads((out / "placement" / "placement.json").read_text())
+    others = placement["placement_scores"]
+    assert len(others) == 3 and q4["given_score"] == placement["given_score"]
+    assert q4["rank"] == 1 + sum(s > q4["given_score"] for s in others)
+    assert q4["ties"] == sum(s == q4["given_score"] for s in others)
+    assert "## Q4: placement" in (out / "study.md").read_text()
     # the budgets-only variant trained the profile's least damaging method in every layer
     profile = json.loads((out / "profile" / "profile.json").read_text())
     budgets_only = json.loads((out / "routes" / "learned_budgets_only.json").read_text())
@@ -214,9 +223,10 @@ def test_study_under_torchrun_shards_and_resumes(tiny_dir, tmp_path, monkeypatch
     profiled = [c["sample_id"] for c in read_jsonl(out / "profile" / "cells.jsonl")]
     assert len(profiled) == len(set(profiled)) == 4  # the profile ran once, not on both ranks
     assert (out / "study.md").is_file() and (out / "routes" / "learned_warm.json").is_file()
-    if (out / "placement").is_dir():
-        placed = read_jsonl(out / "placement" / "results.jsonl")
-        assert {r["rank"] for r in placed} == {0, 1} and (out / "placement" / "placement.json").is_file()
+    # the warm route has two methods (see the end-to-end test): placement ran, sharded too
+    placed = read_jsonl(out / "placement" / "results.jsonl")
+    assert {r["rank"] for r in placed} == {0, 1} and (out / "placement" / "placement.json").is_file()
+    assert "q4_placement" in json.loads((out / "study.json").read_text())
 
     # The fixed routes answer as in a one-process bench of the same samples.
     ref = tmp_path / "ref"
@@ -239,3 +249,31 @@ def test_study_under_torchrun_shards_and_resumes(tiny_dir, tmp_path, monkeypatch
     before = (out / "bench_agnostic" / "results.jsonl").read_text()
     assert main(["study", "--config", str(path)]) == 0
     assert (out / "bench_agnostic" / "results.jsonl").read_text() == before
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {"learn": "budgets", "init_route": "@profile_alloc"},
+        {"learn": "budgets", "init_route": "@profile"},
+        {"learn": "none", "adapter": True, "init_route": "@profile_alloc"},
+        {"learn": "none", "adapter": True, "init_route": "@profile", "lora_rank": 2},
+    ],
+)
+def test_study_accepts_a_fixed_method_variant_that_starts_from_a_profile_route(variant, tmp_path):
+    """A profile route is a valid start for budgets-only and adapter-only variants: the
+    check (before the profile exists) must not refuse it for lack of init_method."""
+    cfg = load_config(S.StudyConfig, overrides=[f"variants={json.dumps({'learned': {}, 'v': variant})}"])
+    assert cfg.validate() == []
+    # once the profile has run, the variant starts from the profile's route, with no init_method
+    data = cfg.variant_configs(tmp_path)["v"]
+    suffix = "_alloc" if variant["init_route"] == "@profile_alloc" else ""
+    assert data["init_route"] == str(tmp_path / "profile" / f"profile_0.1{suffix}.json")
+    assert data.get("init_method") is None
+
+
+def test_study_still_refuses_a_fixed_method_variant_with_no_start():
+    with pytest.raises(ConfigError, match="learn=budgets keeps the methods fixed"):
+        load_config(S.StudyConfig, overrides=["variants={learned: {}, v: {learn: budgets}}"])
+    with pytest.raises(ConfigError, match="learn=none keeps the route fixed"):
+        load_config(S.StudyConfig, overrides=["variants={learned: {}, v: {learn: none, adapter: true}}"])

@@ -22,54 +22,16 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 import torch
 
 from learnroute import adapter as _adapter
+from learnroute.gates.config import TrainConfig
 from learnroute.gates.gates import Gates
-from learnroute.gates.topk import hard_topk_mask
-from learnroute.methods.mixing import mix_ranks
-from learnroute.methods.registry import METHODS
 from learnroute.route import LayerRoute, Route, RouteError
-
-if TYPE_CHECKING:
-    from learnroute.gates.train import TrainConfig
 
 LORA_KEY = "lora."
 OPT_KEY = "opt.lora."
-
-
-def config_problems(config: TrainConfig) -> list[str]:
-    """What is wrong with the adapter settings (no model needed)."""
-    problems = []
-    if config.learn == "none":
-        if not config.adapter:
-            problems.append("learn=none trains nothing but an adapter: set adapter=true")
-        if config.init_route is None and config.init_method is None:
-            problems.append("learn=none keeps the route fixed: give init_route (a route file) or init_method")
-    if config.init_route is not None and config.init_method is None and config.learn == "none":
-        try:
-            route = Route.from_file(config.init_route)
-        except RouteError:
-            pass  # reported by the gates' own checks
-        else:
-            need = sorted({m for e in route.layers for m in e.methods if not METHODS[m].keeps_all} - set(config.methods))
-            if need:
-                problems.append(f"init_route's layers need the methods {need}: add them to methods")
-    if not config.adapter:
-        return problems
-    if config.lora_rank < 1:
-        problems.append(f"lora_rank must be >= 1, got {config.lora_rank}")
-    if not config.lora_alpha > 0:
-        problems.append(f"lora_alpha must be > 0, got {config.lora_alpha}")
-    if not config.lora_targets or not all(isinstance(t, str) and t for t in config.lora_targets):
-        problems.append(
-            f"lora_targets must name linear modules, e.g. {_adapter.ATTENTION_TARGETS} and/or {_adapter.MLP_TARGETS}"
-        )
-    if not config.adapter_lr > 0:
-        problems.append(f"adapter_lr must be > 0, got {config.adapter_lr}")
-    return problems
 
 
 # ---------------------------------------------------------------------------- a fixed route
@@ -88,7 +50,9 @@ def fixed_route(config: TrainConfig, model: str | None, n_layers: int) -> Route:
 
 
 class FixedGates(Gates):
-    """Gates frozen at a route (``learn: none``): masks are the route's hard keep-masks."""
+    """Gates frozen at a route (``learn: none``): masks are the route's hard keep-masks,
+    its budget shape rescaled to each step's mean over the free layers (as ``bench``
+    rescales a route file: :meth:`learnroute.route.Route.rescaled`)."""
 
     fixed = True
 
@@ -97,40 +61,11 @@ class FixedGates(Gates):
             methods, free, learn="none", init_methods=[e.method if e.method in methods else methods[0] for e in route.layers],
             budget_floor=budget_floor,
         )
-        L, M = len(free), len(methods)
-        weights = torch.zeros(L, M)
-        for layer, e in enumerate(route.layers):
-            for m, w in e.mixture or ((e.method, 1.0),):
-                if m in methods:
-                    weights[layer, methods.index(m)] += w
-        self.register_buffer("weights", weights, persistent=False)  # (L, M) per-layer method weights
-        mean = sum(float(b) for b in route.budgets) / L
-        self.share_of_mean = [float(b) / mean for b in route.budgets]  # the route's per-layer shape
-        self.keeps_all = [METHODS[e.method].keeps_all and e.mixture is None for e in route.layers]
+        self.route = route
 
-    def counts(self, mean_k: float, n: int) -> list[int]:
-        """Tokens kept per KV head in each layer: the route's shape at mean ``mean_k``."""
-        out = []
-        for layer in range(self.n_layers):
-            if self.keeps_all[layer] or not bool(self.free[layer]):
-                out.append(n)
-            else:
-                out.append(min(n, max(1, round(mean_k * self.share_of_mean[layer]))))
-        return out
-
-    def hard_masks(self, ranks: torch.Tensor, mean_k: float) -> torch.Tensor:
-        """0/1 keep-masks (L, H, n) of the route (ranks (L, M, H, n))."""
-        L, _, H, n = ranks.shape
-        scores = mix_ranks(ranks, self.weights.to(ranks.device))  # (L, H, n): one method's ranks, or the mixture's
-        k = torch.tensor(self.counts(mean_k, n), device=ranks.device)  # (L,)
-        masks = hard_topk_mask(scores, k[:, None].expand(L, H))  # (L, H, n)
-        return torch.where(self.free[:, None, None], masks, torch.ones_like(masks))
-
-    def soft_masks(self, ranks: torch.Tensor, mean_k: float, **_: Any) -> torch.Tensor:
-        """The same hard masks (the route does not train); the trainer applies them as
-        -inf biases, i.e. real eviction."""
-        return self.hard_masks(ranks, mean_k)
-
+    def harden(self, budget, context_tokens: int, model: str | None = None) -> Route:
+        """The fixed route at mean ``budget`` over the free layers."""
+        return self.route.rescaled(budget, self.free.tolist())
 
 def build_fixed_gates(config: TrainConfig, model: str | None, n_layers: int, free: list[bool]) -> FixedGates:
     return FixedGates(config.methods, free, fixed_route(config, model, n_layers), config.budget_floor)
@@ -213,26 +148,3 @@ def export_adapter(
     out = route.with_adapter(folder)
     out.provenance.update(prov)
     return out
-
-
-def export_fixed(config: TrainConfig, model: str | None, n_layers: int, checkpoint: Path, budget=None) -> Route:
-    """What a ``learn: none`` run exports: the route it trained its adapter for
-    (rescaled to ``budget`` if given), its provenance extended with the run's."""
-    import json
-
-    from learnroute.bench import rescale
-    from learnroute.config import to_dict
-    from learnroute.gates.train import load_gates
-
-    route = fixed_route(config, model, n_layers)
-    if budget is not None:
-        route = rescale(route, budget)
-    _, meta = load_gates(checkpoint)
-    route.provenance.update({
-        "adapter_trained_for": route.provenance.get("source", "route"),
-        "checkpoint": str(checkpoint),
-        "step": json.loads(meta.get("step", "null")),
-        "calibration_tasks": dict(config.tasks),
-        "train_config": to_dict(config),
-    })
-    return route

@@ -1,31 +1,145 @@
-"""``learnroute export``: a trained gates run (or checkpoint) -> a route file (and, when
-the run trained a decode-time adapter, its peft folder ``<route stem>.adapter`` beside it,
-named in the route's provenance)."""
+"""Export: a trained gates run (or checkpoint) -> a route file (and, when the run trained
+a decode-time adapter, its peft folder ``<route stem>.adapter`` beside it, named in the
+route's provenance); the run's plots of π and budgets.
+
+:func:`export_route` is the one way a checkpoint becomes a route: ``learnroute export``,
+the trainer's final ``route.json`` and the study's export stage all call it, and it
+hardens with :meth:`learnroute.gates.gates.Gates.harden`, the route validation runs.
+"""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
+import torch
 import yaml
 
-from learnroute.config import ConfigError, from_dict
-from learnroute.gates.cotrain import export_adapter, has_adapter
-from learnroute.gates.train import TrainConfig, export_route, load_gates
+from learnroute.config import ConfigError, from_dict, to_dict
+from learnroute.gates import cotrain
+from learnroute.gates.checkpoint import load_gates
+from learnroute.gates.config import TrainConfig
+from learnroute.gates.gates import Gates
+from learnroute.methods.budgets import Budget
 from learnroute.route import Route, parse_budget
 
 
-def resolve_source(source: str | Path) -> tuple[Path, Path]:
-    """(checkpoint, run folder) for a run folder or a checkpoint inside one.
+def gates_from_checkpoint(
+    path: Path, config: TrainConfig, model: str | None, n_layers: int
+) -> tuple[Gates, dict[str, str]]:
+    """Gates rebuilt from a checkpoint (checked against the model, layers and methods),
+    and the checkpoint's metadata. A ``learn: none`` run gives its fixed route's gates."""
+    tensors, meta = load_gates(path, model=model, n_layers=n_layers, methods=config.methods)
+    free = [bool(x) for x in tensors["free"].tolist()]
+    if config.learn == "none":
+        return cotrain.build_fixed_gates(config, model, n_layers, free), meta
+    gates = Gates(config.methods, free, learn="both", budget_floor=json.loads(meta.get("budget_floor", "0.05")))
+    with torch.no_grad():
+        gates.theta.copy_(tensors["theta"])
+        gates.beta.copy_(tensors["beta"])
+    return gates, meta
 
-    A run folder gives its exported choice: ``best.safetensors`` when validation picked
-    one, else the final ``gates.safetensors``.
+
+def export_route(
+    path: Path, config: TrainConfig, model: str | None, n_layers: int, *, budget: Budget | None = None,
+    mixture: bool = False, temperature: float | None = None,
+) -> Route:
+    """The hardened (or ``mixture``) route of a gates checkpoint at ``budget`` (default:
+    the first training budget), by :meth:`Gates.harden`: per layer the argmax method;
+    budgets from the learned shares, fractions of the context for a fractional budget,
+    integer tokens with the exact total ``L_free x budget`` (each layer at most
+    ``context_tokens``) for a token budget. ``bench`` rescales the shape to other budgets.
+    ``mixture`` keeps π at ``temperature`` (default: the final training temperature) as
+    per-layer weights. A ``learn: none`` run exports the route it trained its adapter for.
     """
+    gates, meta = gates_from_checkpoint(path, config, model, n_layers)
+    budget = config.budgets[0] if budget is None else budget
+    route = gates.harden(budget, config.context_tokens, model=model)
+    prov: dict[str, Any] = {
+        "checkpoint": str(path),
+        "step": json.loads(meta.get("step", "null")),
+        "calibration_tasks": dict(config.tasks),
+        "train_config": to_dict(config),
+    }
+    if getattr(gates, "fixed", False):
+        prov = {**route.provenance, "adapter_trained_for": route.provenance.get("source", "route"), **prov}
+        return Route(route.layers, model=route.model, provenance=prov, adapter_path=route.adapter_path)
+    temperature = config.gate_temperature[1] if temperature is None else temperature
+    pi = torch.softmax(gates.theta.detach() / temperature, -1)  # (L, M)
+    mixtures = None
+    if mixture:
+        # The argmax method's weight is at least 1/M, so every layer keeps its own method.
+        mixtures = [{m: float(w) for m, w in zip(config.methods, row) if w > 1e-6} for row in pi.tolist()]
+    prov = {
+        "source": "learned",
+        "kind": "mixture" if mixture else "hardened",
+        **prov,
+        "budget": budget,
+        "pi": [[round(x, 5) for x in row] for row in pi.tolist()],
+        "pi_temperature": temperature,
+        "budget_shares": [round(x, 6) for x in gates.shares().detach().tolist()],
+    }
+    return Route.from_layers(route.methods, route.budgets, model=model, mixtures=mixtures, **prov)
+
+
+def plot_gates(out: Path, path: Path, config: TrainConfig) -> None:
+    """``pi.png`` (π per layer x method, the argmax boxed) and ``budgets.png`` (learned
+    budget per layer as a multiple of the mean)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tensors, _ = load_gates(path)
+    theta = tensors["theta"]
+    pi = torch.softmax(theta / config.gate_temperature[1], -1).numpy()  # (L, M)
+    L, M = pi.shape
+    fig, ax = plt.subplots(figsize=(1.5 + 0.5 * M, 0.22 * L + 1.8))
+    im = ax.imshow(pi, aspect="auto", cmap="viridis", vmin=0, vmax=1)
+    for layer, j in enumerate(theta.argmax(-1).tolist()):
+        ax.add_patch(plt.Rectangle((j - 0.5, layer - 0.5), 1, 1, fill=False, ec="red", lw=1))
+    ax.set_xticks(range(M), config.methods, rotation=60, ha="right", fontsize=8)
+    ax.set_ylabel("layer")
+    ax.set_title(f"learned π (T = {config.gate_temperature[1]:g})", fontsize=9)
+    fig.colorbar(im, ax=ax, fraction=0.05)
+    fig.tight_layout()
+    fig.savefig(out / "pi.png", dpi=110)
+    plt.close(fig)
+    free = tensors["free"].bool()
+    shares = torch.softmax(tensors["beta"].masked_fill(~free, float("-inf")), 0) * int(free.sum())
+    floor = config.budget_floor
+    mult = floor + (1 - floor) * shares  # per-layer budget / mean budget (before the context cap)
+    fig, ax = plt.subplots(figsize=(max(5, 0.25 * L), 3))
+    ax.bar(range(L), mult.numpy())
+    ax.axhline(1.0, color="gray", ls="--", lw=1)
+    ax.set_xlabel("layer")
+    ax.set_ylabel("budget / mean budget")
+    ax.set_title("learned per-layer budgets", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out / "budgets.png", dpi=110)
+    plt.close(fig)
+
+
+def chosen_checkpoint(run: Path, select: str) -> Path:
+    """The checkpoint a finished run exports, as its own ``route.json`` was made:
+    ``best.safetensors`` under ``select: best_val`` when validation picked a step, else
+    the final ``gates.safetensors``."""
+    names = ("best.safetensors", "gates.safetensors") if select == "best_val" else ("gates.safetensors",)
+    for name in names:
+        if (run / name).is_file():
+            return run / name
+    raise FileNotFoundError(f"{run} holds no gates ({' or '.join(names)}): is training finished?")
+
+
+def resolve_source(source: str | Path) -> tuple[Path | None, Path]:
+    """(checkpoint, run folder) for a run folder (checkpoint None: chosen by the run's
+    ``select``, :func:`chosen_checkpoint`) or a checkpoint inside one."""
     src = Path(source)
     if src.is_dir():
-        for name in ("best.safetensors", "gates.safetensors"):
-            if (src / name).is_file():
-                return src / name, src
-        raise FileNotFoundError(f"{src} holds no gates (best.safetensors or gates.safetensors): is training finished?")
+        if not (src / "best.safetensors").is_file() and not (src / "gates.safetensors").is_file():
+            raise FileNotFoundError(f"{src} holds no gates (best.safetensors or gates.safetensors): is training finished?")
+        return None, src
     if not src.is_file():
         raise FileNotFoundError(f"{src} is neither a train run folder nor a gates checkpoint")
     run = src.parent.parent if src.parent.name == "checkpoints" else src.parent
@@ -47,6 +161,7 @@ def export_cli(
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{cfg_path} not found: a checkpoint must sit in its train run folder")
     config = from_dict(TrainConfig, yaml.safe_load(cfg_path.read_text()) or {})
+    ckpt = ckpt or chosen_checkpoint(run, config.select)
     b = None if budget is None else parse_budget(budget)
     if temperature is not None and not temperature > 0:
         raise ValueError(f"--temperature must be > 0, got {temperature}")
@@ -57,7 +172,7 @@ def export_cli(
             f"checkpoint gates have shape {tuple(tensors['theta'].shape)}, expected ({n_layers}, {len(config.methods)})"
         )
     route = export_route(ckpt, config, meta["model"], n_layers, budget=b, mixture=mixture, temperature=temperature)
-    if has_adapter(tensors):
-        route = export_adapter(tensors, config, meta["model"], route, out)
+    if cotrain.has_adapter(tensors):
+        route = cotrain.export_adapter(tensors, config, meta["model"], route, out)
     route.to_file(out)
     return route

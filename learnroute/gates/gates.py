@@ -18,46 +18,18 @@ budgets to integers with the exact total.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
-from learnroute.gates.topk import hard_topk_mask, soft_topk
+from learnroute.gates.topk import soft_topk
+from learnroute.methods.budgets import Budget, floored_weights, mean_tokens, round_exact, water_fill
 from learnroute.methods.mixing import mix_ranks
+from learnroute.methods.registry import METHODS
+from learnroute.methods.select import kept_count, select
+from learnroute.route import Route
 
 MIXING = ("score", "mask")
 LEARN = ("both", "methods", "budgets", "none")  # none: frozen gates (a fixed route; an adapter trains)
-
-
-def round_exact(budgets: list[float], total: int, cap: int) -> list[int]:
-    """Integers >= 1 and <= ``cap`` summing to ``total`` (largest remainder first).
-
-    ``total`` is clipped into [len, len·cap]. Used to harden learned budgets: the route
-    keeps exactly the KV bytes the budget promises.
-    """
-    L = len(budgets)
-    total = max(L, min(int(total), L * cap))
-    ints = [min(cap, max(1, math.floor(b))) for b in budgets]
-    short = total - sum(ints)
-    # Largest fractional remainder first, then larger budget first (deterministic).
-    order = sorted(range(L), key=lambda i: (-(budgets[i] - math.floor(budgets[i])), -budgets[i], i))
-    while short != 0:
-        moved = False
-        for i in order if short > 0 else reversed(order):
-            if short > 0 and ints[i] < cap:
-                ints[i] += 1
-                short -= 1
-                moved = True
-            elif short < 0 and ints[i] > 1:
-                ints[i] -= 1
-                short += 1
-                moved = True
-            if short == 0:
-                break
-        if not moved:  # cannot happen after clipping total; guard against an endless loop
-            break
-    return ints
 
 
 class Gates(nn.Module):
@@ -125,7 +97,7 @@ class Gates(nn.Module):
         pi = torch.softmax(logits / temperature, dim=-1)  # (L, M)
         if straight_through:
             hard = torch.nn.functional.one_hot(pi.argmax(-1), pi.shape[-1]).to(pi.dtype)
-            pi = hard + pi - pi.detach()
+            pi = hard + (pi - pi.detach())  # exactly one-hot forward: (1 + p) - p is not 1 in float32
         return pi
 
     def hard_mixture(self) -> torch.Tensor:
@@ -139,36 +111,38 @@ class Gates(nn.Module):
 
     def budgets(self, mean_k: float, n: int) -> torch.Tensor:
         """Soft per-layer budgets (L,) in tokens for a mean of ``mean_k`` tokens per free
-        layer and a context of ``n`` tokens: floor plus shares of the rest, capped at
-        ``n`` with the excess handed to uncapped layers (total ``L_free · mean_k`` fixed).
-        Fixed layers get ``n`` (their cache is never compressed)."""
+        layer and a context of ``n`` tokens: weights ``floor + (1 - floor)·L·share`` water-
+        filled to the total ``L_free · mean_k`` with each layer capped at ``n``
+        (:mod:`learnroute.methods.budgets`). Fixed layers get ``n`` (never compressed)."""
         free = self.free
         n_free = int(free.sum())
         mean_k = min(float(mean_k), float(n))
-        total = mean_k * n_free
-        floor = self.budget_floor * mean_k
-        shares = self.shares()
-        k = floor + (total - floor * n_free) * shares  # (L,)
-        capped = torch.zeros_like(free)
-        for _ in range(self.n_layers):  # water filling: at most L rounds
-            over = (k > n) & free
-            if not bool(over.any()):
-                break
-            capped = capped | over  # capped layers stay at n: later excess goes elsewhere
-            excess = (k - n).clamp_min(0).masked_fill(~free, 0).sum()
-            room = shares.masked_fill(capped | ~free, 0)
-            k = torch.where(capped, torch.full_like(k, float(n)), k + excess * room / room.sum().clamp_min(1e-12))
-        return torch.where(free, k, torch.full_like(k, float(n)))
+        k = torch.full_like(self.beta, float(n))  # (L,)
+        if n_free == 0:
+            return k
+        w = floored_weights(self.shares()[free], self.budget_floor)  # (L_free,), mean 1
+        return k.masked_scatter(free, water_fill(w, mean_k * n_free, float(n)))
 
-    def hard_budgets(self, mean_k: float, n: int) -> list[int]:
-        """Integer budgets per layer with the exact total ``round(L_free · mean_k)``."""
-        k = self.budgets(mean_k, n).detach().tolist()
-        free = [i for i in range(self.n_layers) if bool(self.free[i])]
-        ints = round_exact([k[i] for i in free], round(min(mean_k, n) * len(free)), n)
-        out = [n] * self.n_layers
-        for i, b in zip(free, ints):
-            out[i] = b
-        return out
+    def harden(self, budget: Budget, context_tokens: int, model: str | None = None) -> Route:
+        """The hardened route at mean ``budget``: each free layer's argmax method, budgets
+        from the learned shares (fractions of the context for a fractional budget; tokens
+        with the exact total ``L_free · min(budget, context_tokens)`` for a token budget,
+        each layer at most ``context_tokens``). Fixed layers keep the nominal budget (the
+        engine never compresses them). This is the route export writes and validation runs."""
+        free = self.free.tolist()
+        n = int(context_tokens)
+        k = self.budgets(mean_tokens(budget, n), n).detach().tolist()
+        budgets: list[Budget] = [budget] * self.n_layers
+        idx = [i for i, f in enumerate(free) if f]
+        if isinstance(budget, float):
+            for i in idx:
+                budgets[i] = min(1.0, k[i] / n)
+        else:
+            ints = round_exact([k[i] for i in idx], round(min(budget, n) * len(idx)), n)
+            for i, b in zip(idx, ints):
+                budgets[i] = b
+        methods = [self.methods[i] for i in self.theta.detach().argmax(-1).tolist()]
+        return Route.from_layers(methods, budgets, model=model)
 
     # ------------------------------------------------------------------ masks
 
@@ -216,18 +190,29 @@ class Gates(nn.Module):
             raise ValueError(f"mixing must be one of {', '.join(MIXING)}, got {mixing!r}")
         return torch.where(self.free[:, None, None], masks, torch.ones_like(masks))
 
-    def hard_masks(self, ranks: torch.Tensor, mean_k: float) -> torch.Tensor:
-        """0/1 keep-masks (L, H, n) of the hardened route: each layer's argmax method and
-        its integer budget (what the engine would keep, up to ties in the scores)."""
-        L, M, H, n = ranks.shape
-        idx = self.theta.detach().argmax(-1)  # (L,)
-        chosen = ranks.gather(1, idx.view(L, 1, 1, 1).expand(L, 1, H, n)).squeeze(1)  # (L, H, n)
-        k = torch.tensor(self.hard_budgets(mean_k, n), device=ranks.device)  # (L,)
-        masks = hard_topk_mask(chosen, k[:, None].expand(L, H))  # (L, H, n)
-        return torch.where(self.free[:, None, None], masks, torch.ones_like(masks))
+    def hard_masks(self, ranks: torch.Tensor, route: Route) -> torch.Tensor:
+        """0/1 keep-masks (L, H, n) of ``route`` (e.g. :meth:`harden`'s) on a sample whose
+        per-method ranks are ``ranks`` (L, M, H, n): :func:`route_masks`."""
+        return route_masks(route, ranks, self.methods, self.free.tolist())
 
     def entropy(self, temperature: float = 1.0) -> torch.Tensor:
         """Mean entropy of π over the free layers (nats); the sharpening term's value."""
         logp = torch.log_softmax(self.theta / temperature, dim=-1)  # (L, M)
         ent = -(logp.exp() * logp).sum(-1)  # (L,)
         return ent[self.free].mean()
+
+
+def route_masks(route: Route, ranks: torch.Tensor, methods: list[str], free: list[bool]) -> torch.Tensor:
+    """0/1 keep-masks (L, H, n) of ``route`` from per-method ranks (L, M, H, n), through the
+    engine's own budget resolution and selection (:func:`learnroute.methods.select.kept_count`,
+    :func:`~learnroute.methods.select.select`): the tokens the engine keeps for the route on
+    this sample (ranks order tokens as the raw scores do, ties included). Layers that are
+    not ``free`` keep everything."""
+    L, _, H, n = ranks.shape
+    masks = torch.ones(L, H, n, dtype=ranks.dtype, device=ranks.device)  # (L, H, n)
+    for layer, e in enumerate(route.layers):
+        k = kept_count(e.budget, n, keeps_all=METHODS[e.method].keeps_all, fixed=not free[layer])
+        idx = select(e.method, e.mixture, k, n, lambda m: ranks[layer, methods.index(m)][None])  # (1, H, k)
+        if idx is not None:
+            masks[layer] = torch.zeros_like(masks[layer]).scatter_(-1, idx[0], 1.0)  # (H, n)
+    return masks

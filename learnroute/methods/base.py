@@ -1,4 +1,5 @@
-"""Method base class, budget resolution and top-k selection shared by the engine and RoutedPress."""
+"""Method base class. Budget resolution lives in :mod:`learnroute.methods.budgets`, token
+selection in :mod:`learnroute.methods.select`."""
 
 from __future__ import annotations
 
@@ -6,44 +7,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from kvpress.utils import compute_n_kept
 
 from learnroute._hf import LayerCapture
-
-Budget = int | float
-
-
-def resolve_budget(budget: Budget, n: int) -> int:
-    """Tokens kept per KV head for a context of ``n`` tokens.
-
-    An integer is a token count (capped at ``n``: a budget above the context keeps
-    everything). A float in (0, 1] is a fraction of the context, resolved exactly as
-    kvpress resolves ``compression_ratio = 1 - fraction`` so kept counts match kvpress.
-    """
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
-        raise TypeError(f"budget must be an int >= 1 or a float in (0, 1], got {budget!r}")
-    if isinstance(budget, int):
-        if budget < 1:
-            raise ValueError(f"budget must be an int >= 1 or a float in (0, 1], got {budget!r}")
-        return min(budget, n)
-    if not 0.0 < budget <= 1.0:
-        raise ValueError(f"budget must be an int >= 1 or a float in (0, 1], got {budget!r}")
-    # max(1, ...): below 2**-53, 1 - budget rounds to 1.0, which kvpress reads as "evict the
-    # whole layer"; a fraction > 0 never asks for that (found by a property test).
-    return min(n, max(1, compute_n_kept(n, 1.0 - budget)))
-
-
-def keep_indices(scores: torch.Tensor, n_kept: int) -> torch.Tensor:
-    """Indices of the ``n_kept`` highest scores per (batch, head), in position order.
-
-    scores: (B, H_kv, n) -> (B, H_kv, n_kept). Sorting keeps the cache in token order,
-    which attention does not need but makes kept positions easy to inspect.
-    """
-    n = scores.shape[-1]
-    if n_kept >= n:
-        return torch.arange(n, device=scores.device).expand(*scores.shape[:-1], n)  # (B, H_kv, n)
-    idx = scores.topk(n_kept, dim=-1).indices  # (B, H_kv, n_kept)
-    return idx.sort(dim=-1).values
 
 
 @dataclass

@@ -1,0 +1,222 @@
+"""``learnroute train``'s configuration: :class:`TrainConfig` and its checks (no model needed).
+
+Below every other module of :mod:`learnroute.gates` that reads a config (the trainer,
+the adapter co-training, export), so they import it one way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from learnroute import adapter as _adapter
+from learnroute.gates.gates import LEARN, MIXING
+from learnroute.gates.topk import RELAXATIONS
+from learnroute.methods.registry import METHODS
+from learnroute.route import Route, RouteError, budget_problem
+from learnroute.runs import device_problem
+from learnroute.tasks.suite import calibration_problems
+
+Budget = int | float
+CANDIDATES = ["snapkv", "streaming_llm", "h2o", "tova", "knorm", "expected_attention", "keydiff", "lava"]
+SELECT = ("best_val", "last")
+@dataclass
+class TrainConfig:
+    """What ``learnroute train`` learns, on which calibration samples, and how."""
+
+    model: str | None = field(default=None, metadata={"help": "HF model folder or hub id; null = bundled SmolLM2"})
+    tasks: dict[str, int] = field(
+        default_factory=lambda: {"niah_single_2": 4, "niah_multikey": 4},
+        metadata={"help": "synthetic task -> number of calibration samples (train + validation)"},
+    )
+    context_tokens: int = field(default=1024, metadata={"help": "context length of the calibration samples (tokens)"})
+    seed: int = field(default=0, metadata={"help": "seed of the calibration sample stream, the split and training"})
+    val_fraction: float = field(
+        default=0.25, metadata={"help": "share of calibration samples held out to pick the step (0 = none)"}
+    )
+    methods: list[str] = field(default_factory=lambda: list(CANDIDATES), metadata={"help": "candidate methods"})
+    learn: str = field(default="both", metadata={"help": "both | methods | budgets (methods fixed at init)"})
+    mixing: str = field(default="score", metadata={"help": "score: mix ranks then soft top-k; mask: mix soft masks"})
+    relaxation: str = field(default="sigmoid", metadata={"help": "differentiable top-k: sigmoid | sinkhorn"})
+    budgets: list[Budget] = field(
+        default_factory=lambda: [0.1, 0.2],
+        metadata={"help": "mean budgets, one drawn per step (tokens per KV head or fractions); one = per-budget"},
+    )
+    steps: int = field(default=200, metadata={"help": "optimiser steps"})
+    batch_size: int = field(default=4, metadata={"help": "calibration samples per step (split across processes)"})
+    lr: float = field(default=0.02, metadata={"help": "AdamW learning rate"})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
+    gate_temperature: list[float] = field(
+        default_factory=lambda: [1.0, 0.05], metadata={"help": "π temperature [start, end], geometric annealing"}
+    )
+    topk_temperature: list[float] = field(
+        default_factory=lambda: [0.5, 0.05],
+        metadata={"help": "soft top-k temperature [start, end], in units of topk_scale"},
+    )
+    topk_scale: str = field(
+        default="budget",
+        metadata={"help": "budget: temperature x the layer's kept fraction k_l/n (as sharp at 5 tokens as at 500); "
+                  "rank: in rank units (ranks are in [0, 1])"},
+    )
+    gumbel: bool = field(default=False, metadata={"help": "Gumbel-softmax gates (noise drawn per step)"})
+    entropy_weight: float = field(default=0.0, metadata={"help": "weight of the mean entropy of π (sharpening)"})
+    ce_weight: float = field(default=1.0, metadata={"help": "weight of the reference answer's cross-entropy"})
+    kl_weight: float = field(default=0.0, metadata={"help": "weight of KL(full cache || soft route) on answer tokens"})
+    first_token_weight: float = field(
+        default=1.0, metadata={"help": "CE weight of the first answer token relative to the others (greedy decoding)"}
+    )
+    straight_through: float = field(
+        default=0.1, metadata={"help": "final share of steps with straight-through one-hot π (0 = none)"}
+    )
+    budget_floor: float = field(default=0.05, metadata={"help": "every layer keeps at least this share of the mean"})
+    init_route: str | None = field(
+        default=None, metadata={"help": "route file to start from (e.g. a profile route): methods and budget shape"}
+    )
+    init_method: str | None = field(
+        default=None,
+        metadata={
+            "help": "one method in every layer to start from (learn=budgets needs this or init_route); "
+            "with init_route too, the route gives only the budget shape"
+        },
+    )
+    init_logit: float = field(default=4.0, metadata={"help": "logit of a layer's initial method when warm-starting"})
+    init_pi: float | None = field(
+        default=None,
+        metadata={
+            "help": "warm start: the initial method's share of π at the first gate temperature (overrides "
+            "init_logit). A logit of 4 at T = 0.2 is π ≈ 1 - 1e-8: its gradient vanishes and no layer can "
+            "leave its initial method; 0.5 leaves them free to move"
+        },
+    )
+    # --- decode-time LoRA adapter (learnroute.gates.cotrain); learn=none trains it for a fixed route
+    adapter: bool = field(default=False, metadata={"help": "train a LoRA adapter on question+answer tokens too"})
+    lora_rank: int = field(default=8, metadata={"help": "adapter: LoRA rank"})
+    lora_alpha: float = field(default=16.0, metadata={"help": "adapter: LoRA alpha (scale alpha / rank)"})
+    lora_targets: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        metadata={"help": "adapter: module names to adapt (attention and/or gate_proj, up_proj, down_proj)"},
+    )
+    adapter_lr: float = field(default=1e-3, metadata={"help": "adapter: AdamW learning rate"})
+    # --- end adapter
+    eps: float = field(default=1e-6, metadata={"help": "the bias is log(mask + eps)"})
+    eval_every: int = field(default=25, metadata={"help": "evaluate the hardened route on validation every N steps"})
+    select: str = field(default="best_val", metadata={"help": "best_val: export the best validated step; last"})
+    save_every: int = field(default=50, metadata={"help": "checkpoint every N steps"})
+    query_aware: bool = field(default=False, metadata={"help": "put the question in the prefill (scored)"})
+    device: str = field(default="auto", metadata={"help": "auto | cpu | cuda"})
+    output: str = field(default="runs/train", metadata={"help": "run folder"})
+    wandb: bool = field(default=False, metadata={"help": "log to Weights & Biases (offline without network)"})
+    wandb_project: str = field(default="learnroute", metadata={"help": "wandb project"})
+
+    def validate(self) -> list[str]:
+        """Problems that need no model."""
+        problems = []
+        problems += calibration_problems(self.tasks)
+        candidates = [m for m in METHODS if m != "full" and not METHODS[m].budget_dependent]
+        if len(self.methods) < 1:
+            problems.append("methods is empty; candidates: " + ", ".join(candidates))
+        for m in self.methods:
+            if m not in candidates:
+                why = "scores depend on the budget" if m in METHODS and METHODS[m].budget_dependent else "unknown"
+                problems.append(f"methods: {m!r} cannot be a gate candidate ({why}); candidates: {', '.join(candidates)}")
+        if len(set(self.methods)) != len(self.methods):
+            problems.append("methods lists a method twice")
+        if self.learn not in LEARN:
+            problems.append(f"learn must be one of {', '.join(LEARN)}, got {self.learn!r}")
+        if self.mixing not in MIXING:
+            problems.append(f"mixing must be one of {', '.join(MIXING)}, got {self.mixing!r}")
+        if self.relaxation not in RELAXATIONS:
+            problems.append(f"relaxation must be one of {', '.join(RELAXATIONS)}, got {self.relaxation!r}")
+        if not self.budgets:
+            problems.append("budgets is empty; give mean budgets (tokens per KV head or fractions in (0, 1])")
+        for b in self.budgets:
+            if (p := budget_problem(b)) is not None:
+                problems.append(f"budgets: {p}")
+            elif isinstance(b, int) and b >= self.context_tokens:
+                problems.append(
+                    f"budgets: {b} tokens per KV head is not below context_tokens ({self.context_tokens}): "
+                    "nothing would be evicted"
+                )
+        if self.topk_scale not in ("budget", "rank"):
+            problems.append(f"topk_scale must be 'budget' or 'rank', got {self.topk_scale!r}")
+        for name in ("gate_temperature", "topk_temperature"):
+            t = getattr(self, name)
+            if len(t) != 2 or any(not x > 0 for x in t):
+                problems.append(f"{name} must be [start, end] with both > 0, got {t}")
+        for name in ("steps", "batch_size", "eval_every", "save_every"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.lr > 0:
+            problems.append(f"lr must be > 0, got {self.lr}")
+        if not 0.0 <= self.val_fraction < 1.0:
+            problems.append(f"val_fraction must be in [0, 1), got {self.val_fraction}")
+        elif self.tasks and sum(self.tasks.values()) - round(self.val_fraction * sum(self.tasks.values())) < 1:
+            problems.append(
+                f"val_fraction={self.val_fraction} of {sum(self.tasks.values())} calibration samples leaves none to train on"
+            )
+        if not 0.0 <= self.straight_through <= 1.0:
+            problems.append(f"straight_through must be in [0, 1], got {self.straight_through}")
+        if not 0.0 <= self.budget_floor < 1.0:
+            problems.append(f"budget_floor must be in [0, 1), got {self.budget_floor}")
+        if self.init_pi is not None and not 1.0 / max(len(self.methods), 1) < self.init_pi < 1.0:
+            problems.append(f"init_pi must be in (1/M, 1) = ({1 / max(len(self.methods), 1):.3g}, 1), got {self.init_pi}")
+        if not self.eps > 0:
+            problems.append(f"eps must be > 0, got {self.eps}")
+        if self.ce_weight == 0 and self.kl_weight == 0:
+            problems.append("ce_weight and kl_weight are both 0: there is no task loss to train on")
+        for name in ("entropy_weight", "ce_weight", "kl_weight", "first_token_weight", "weight_decay"):
+            if getattr(self, name) < 0:
+                problems.append(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.select not in SELECT:
+            problems.append(f"select must be one of {', '.join(SELECT)}, got {self.select!r}")
+        if self.init_route is not None:
+            try:
+                route = Route.from_file(self.init_route)
+            except RouteError as e:
+                problems.append(f"init_route: {e}")
+            else:
+                missing = sorted(set(route.methods) - set(self.methods))
+                if missing and self.init_method is None:  # init_method replaces the route's methods
+                    problems.append(f"init_route uses methods {missing} that are not candidates {self.methods}")
+        if self.init_method is not None and self.init_method not in self.methods:
+            problems.append(f"init_method {self.init_method!r} is not one of the candidates {self.methods}")
+        if self.learn == "budgets" and self.init_route is None and self.init_method is None:
+            problems.append("learn=budgets keeps the methods fixed: give init_method or init_route")
+        if (p := device_problem(self.device)) is not None:
+            problems.append(p)
+        if self.context_tokens < 16:
+            problems.append(f"context_tokens must be >= 16, got {self.context_tokens}")
+        problems += adapter_problems(self)  # adapter settings, learn=none
+        return problems
+
+
+
+def adapter_problems(config: TrainConfig) -> list[str]:
+    """What is wrong with the adapter settings (no model needed)."""
+    problems = []
+    if config.learn == "none":
+        if not config.adapter:
+            problems.append("learn=none trains nothing but an adapter: set adapter=true")
+        if config.init_route is None and config.init_method is None:
+            problems.append("learn=none keeps the route fixed: give init_route (a route file) or init_method")
+    if config.init_route is not None and config.init_method is None and config.learn == "none":
+        try:
+            route = Route.from_file(config.init_route)
+        except RouteError:
+            pass  # reported by the gates' own checks
+        else:
+            need = sorted({m for e in route.layers for m in e.methods if not METHODS[m].keeps_all} - set(config.methods))
+            if need:
+                problems.append(f"init_route's layers need the methods {need}: add them to methods")
+    if not config.adapter:
+        return problems
+    if config.lora_rank < 1:
+        problems.append(f"lora_rank must be >= 1, got {config.lora_rank}")
+    if not config.lora_alpha > 0:
+        problems.append(f"lora_alpha must be > 0, got {config.lora_alpha}")
+    if not config.lora_targets or not all(isinstance(t, str) and t for t in config.lora_targets):
+        problems.append(
+            f"lora_targets must name linear modules, e.g. {_adapter.ATTENTION_TARGETS} and/or {_adapter.MLP_TARGETS}"
+        )
+    if not config.adapter_lr > 0:
+        problems.append(f"adapter_lr must be > 0, got {config.adapter_lr}")
+    return problems
