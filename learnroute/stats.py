@@ -46,3 +46,11 @@ def sample_scores(rows: list[dict], tasks: set[str]) -> dict[tuple[str, str], di
         if r["task"] in tasks:
             out.setdefault((r["route"], json.dumps(r["budget"])), {})[r["sample_id"]] = float(r["score"])
     return out
+
+
+def best_homogeneous(scores: dict[tuple[str, str], dict[str, float]], budget_key: str) -> str | None:
+    """The homogeneous route (``homogeneous:<method>``) with the best average at one budget
+    (JSON key), over the samples ``scores`` holds; ties: the first by name. None if none ran."""
+    avg = {r: sum(v.values()) / len(v) for (r, b), v in scores.items() if b == budget_key and r.startswith("homogeneous:") and v}
+    return max(sorted(avg), key=avg.get) if avg else None
+

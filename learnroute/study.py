@@ -29,7 +29,7 @@ from learnroute.config import ConfigError, from_dict, to_dict
 from learnroute.gates.config import CANDIDATES, TrainConfig
 from learnroute.route import Route, budget_problem
 from learnroute.runs import device_problem
-from learnroute.stats import VALID_FULL, paired, sample_scores, solved_tasks
+from learnroute.stats import VALID_FULL, best_homogeneous, paired, sample_scores, solved_tasks
 from learnroute.tasks.suite import check_tasks
 
 Budget = int | float
@@ -251,6 +251,15 @@ class StudyConfig:
         raise ConfigError(f"unknown study token {token!r}; valid: {', '.join(TOKENS)}")
 
 
+CONTROLS = "_controls"  # bench_<protocol>_controls/: pyramid:<best homogeneous method>, run after the bench
+START = "_start"  # suffix of a variant's untrained start among the routes (the control of question 8)
+
+
+def _warm(variant: dict[str, Any]) -> bool:
+    """Does a variant start from a route or a method (so that its untrained start is a route to bench)?"""
+    return variant.get("init_route") is not None or variant.get("init_method") is not None
+
+
 def _safe(name: str) -> str:
     return name.replace("/", "_").replace("@", "_at_")
 
@@ -345,7 +354,7 @@ class _Stages:
     def export(self, variants: dict[str, dict[str, Any]]) -> Path:
         """3. Every variant's route (and mixture route) into ``routes/``: cheap, always
         rewritten from the checkpoints (rank 0). Returns the folder."""
-        from learnroute.gates.export import export_cli
+        from learnroute.gates.export import export_cli, export_start
 
         routes = self.out / "routes"
         if self.first:
@@ -355,6 +364,8 @@ class _Stages:
                 export_cli(run, routes / f"{route_name(name)}.json")
                 if name in self.config.mixture_of:
                     export_cli(run, routes / f"{route_name(name)}_mixture.json", mixture=True)
+                if _warm(data):  # the control: the same variant untrained
+                    export_start(run, routes / f"{route_name(name)}{START}.json")
         self.state.wait_for_everyone()
         return routes
 
@@ -371,6 +382,7 @@ class _Stages:
             specs += [str(prof / f"profile_{pb}.json"), str(prof / f"profile_{pb}_alloc.json")]
         for name, data in variants.items():
             names = [route_name(name)] + ([f"{route_name(name)}_mixture"] if name in config.mixture_of else [])
+            names += [f"{route_name(name)}{START}"] if _warm(data) else []
             # A variant trained for one budget (per_budget) is benched at that budget only,
             # in the protocols that have that budget.
             pin = ""
@@ -400,6 +412,38 @@ class _Stages:
                 stop_at_final_score=config.stop_at_final_score,
                 device=config.device,
                 output=str(self.out / f"bench_{protocol}"),
+            )
+        )
+        self.pyramid_control(protocol)
+
+    def pyramid_control(self, protocol: str) -> None:
+        """4b. The control ``pyramid:<best method>``: PyramidKV's allocation over the method
+        whose homogeneous route did best at each budget (known only once the bench has
+        run), on the same eval samples, into ``bench_<protocol>_controls/``."""
+        from learnroute.bench import BenchConfig, run_bench
+        from learnroute.summary import load_rows
+
+        config = self.config
+        rows = load_rows(self.out / f"bench_{protocol}")
+        scores = sample_scores(rows, solved_tasks(rows)[1])
+        best = {best_homogeneous(scores, json.dumps(b)) for b in config.protocol_budgets(protocol)} - {None}
+        todo = sorted(f"pyramid:{r.split(':', 1)[1]}" for r in best if r.split(":", 1)[1] not in config.pyramid)
+        if not todo:
+            return
+        self.log(f"stage 4/5: bench ({protocol}) of the control {', '.join(todo)}")
+        run_bench(
+            BenchConfig(
+                model=config.model,
+                tasks=dict(config.eval_tasks),
+                context_tokens=config.context_tokens,
+                budgets=config.protocol_budgets(protocol),
+                routes=todo,
+                query_aware=protocol == "aware",
+                seed=config.eval_seed,
+                max_new_tokens=config.max_new_tokens,
+                stop_at_final_score=config.stop_at_final_score,
+                device=config.device,
+                output=str(self.out / f"bench_{protocol}{CONTROLS}"),
             )
         )
 
@@ -470,6 +514,9 @@ def analyze(folder: str | Path, rescore: bool = False) -> dict[str, Any]:
         if not (bench / "results.jsonl").is_file():
             continue
         rows = load_rows(bench, rescore=rescore)
+        controls = folder / f"bench_{protocol}{CONTROLS}"
+        if (controls / "results.jsonl").is_file():  # the same eval samples, the pyramid control
+            rows += [r for r in load_rows(controls, rescore=rescore) if r["route"] != "full"]
         for r in rows:
             r["route"] = _label(r["route"])
             if r["route"] == f"{main}_at_{r['budget']}":  # the per-budget routes, one row in the tables
@@ -483,8 +530,7 @@ def analyze(folder: str | Path, rescore: bool = False) -> dict[str, Any]:
         for b in config.protocol_budgets(protocol):
             bk = json.dumps(b)
             avg = {route: mean(scores[(route, bk)].values()) for route in routes if (route, bk) in scores}
-            homog = {r: s for r, s in avg.items() if r.startswith("homogeneous:")}
-            best_h = max(homog, key=homog.get) if homog else None
+            best_h = best_homogeneous(scores, bk)
             # Per task (every task, solved or not): the routes of questions 1-2; Q3 reads it too.
             wanted = {main, best_h, "profile", "profile_alloc"} - {None}
             cells: dict[str, dict[str, list[float]]] = {}
@@ -494,9 +540,13 @@ def analyze(folder: str | Path, rescore: bool = False) -> dict[str, Any]:
             by_task = {r: {t: mean(v) for t, v in sorted(ts.items())} for r, ts in cells.items()}
             entry: dict[str, Any] = {"budget": b, "avg": avg, "full": mean(full.values()) if full else None}
             entry["best_homogeneous"] = best_h
+            pyr = f"pyramid:{best_h.split(':', 1)[1]}" if best_h else None
+            entry["pyramid_best"] = pyr if (pyr, bk) in scores else None
             if main in avg and best_h:
                 m = scores[(main, bk)]
                 entry["q1_vs_best_homogeneous"] = paired(m, scores[(best_h, bk)], config.bootstrap)
+                if entry["pyramid_best"]:  # the control: PyramidKV's allocation over that method
+                    entry["q1_vs_pyramid_best"] = paired(m, scores[(pyr, bk)], config.bootstrap)
                 for p in ("profile", "profile_alloc"):
                     if (p, bk) in scores:
                         entry[f"q2_vs_{p}"] = paired(m, scores[(p, bk)], config.bootstrap)
@@ -512,9 +562,15 @@ def analyze(folder: str | Path, rescore: bool = False) -> dict[str, Any]:
                 entry["q6_variants"] = {
                     r: paired(scores[(r, bk)], m, config.bootstrap)
                     for r in routes
-                    if r.startswith("learned") and r != main and (r, bk) in scores
+                    if r.startswith("learned") and r != main and not r.endswith(START) and (r, bk) in scores
                 }
                 entry["best_homogeneous_rel_full"] = h / f if f else None
+            # Q8: every learned route minus its own untrained start (learning's credit)
+            entry["q8_vs_start"] = {
+                r[: -len(START)]: paired(scores[(r[: -len(START)], bk)], scores[(r, bk)], config.bootstrap)
+                for r in routes
+                if r.endswith(START) and (r, bk) in scores and (r[: -len(START)], bk) in scores
+            }
             entry["by_task"] = by_task
             per_budget.append(entry)
         result["protocols"][protocol] = {
@@ -613,7 +669,7 @@ def _ci(c: dict | None) -> str:
 
 
 def to_markdown(result: dict[str, Any], main: str) -> str:
-    """The answers to questions 1-7 as tables (scores x100, paired 95 % intervals)."""
+    """The answers to questions 1-8 as tables (scores x100, paired 95 % intervals)."""
     lines = ["# Study results", ""]
     for protocol, res in result["protocols"].items():
         lines += [
@@ -677,6 +733,23 @@ def to_markdown(result: dict[str, Any], main: str) -> str:
             lines.append("|---|" + "---|" * len(res["budgets"]))
             for v in variants:
                 lines.append(f"| {v} | " + " | ".join(_ci(e.get("q6_variants", {}).get(v)) for e in res["budgets"]) + " |")
+        if any(e.get("q1_vs_pyramid_best") for e in res["budgets"]):
+            lines += ["", f"Control: `{main}` minus PyramidKV's allocation over the best homogeneous method "
+                      "(paired, x100):", ""]
+            lines.append("| budget | pyramid route | its score | learned - it |")
+            lines.append("|---|---|---|---|")
+            for e in res["budgets"]:
+                if e.get("pyramid_best"):
+                    lines.append(f"| {e['budget']} | {e['pyramid_best']} | {100 * e['avg'][e['pyramid_best']]:.1f} | "
+                                 f"{_ci(e.get('q1_vs_pyramid_best'))} |")
+        started = sorted({v for e in res["budgets"] for v in e.get("q8_vs_start", {})})
+        if started:
+            lines += ["", "Q8, each learned route minus its untrained start (`<route>_start`, the same "
+                      "warm start hardened without training; paired, x100):", ""]
+            lines.append("| route | " + " | ".join(str(e["budget"]) for e in res["budgets"]) + " |")
+            lines.append("|---|" + "---|" * len(res["budgets"]))
+            for v in started:
+                lines.append(f"| {v} | " + " | ".join(_ci(e.get("q8_vs_start", {}).get(v)) for e in res["budgets"]) + " |")
         lines.append("")
     if "q4_placement" in result:
         p = result["q4_placement"]
@@ -692,15 +765,17 @@ def to_markdown(result: dict[str, Any], main: str) -> str:
 
 def summary_table(result: dict[str, Any]) -> str:
     """The short table ``make run`` prints: questions 1-5 per protocol and budget."""
-    lines = ["| protocol | budget | Q1 vs best homog. | Q2 vs profile_alloc | Q3 task wins | Q5 gap recovered |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| protocol | budget | Q1 vs best homog. | Q2 vs profile_alloc | Q8 vs its start | Q3 task wins "
+             "| Q5 gap recovered |",
+             "|---|---|---|---|---|---|---|"]
+    main = route_name(result["config"].get("main_variant", "learned"))
     for protocol, res in result["protocols"].items():
         for e in res["budgets"]:
             q3 = e.get("q3_tasks")
             gap = e.get("q5_gap_recovered")
             lines.append(
                 f"| {protocol} | {e['budget']} | {_ci(e.get('q1_vs_best_homogeneous'))} | "
-                f"{_ci(e.get('q2_vs_profile_alloc'))} | "
+                f"{_ci(e.get('q2_vs_profile_alloc'))} | {_ci(e.get('q8_vs_start', {}).get(main))} | "
                 + (f"{q3['wins']}/{q3['tasks']}" if q3 else "n/a")
                 + f" | {'n/a' if gap is None else f'{100 * gap:.0f} %'} |"
             )

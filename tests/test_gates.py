@@ -636,3 +636,58 @@ def test_init_route_shape_is_read_over_the_compressible_layers(tmp_path):
     gates = T.build_gates(cfg, 4, [True, False, True, True])
     got = gates.harden(0.2, 1000).budgets
     assert [got[i] for i in (0, 2, 3)] == pytest.approx([0.1, 0.2, 0.3], rel=1e-5)
+
+
+# ---------------------------------------------------------------------------- the calibration stream
+
+
+def test_stream_draws_fresh_calibration_samples_resumably(tiny_dir, tmp_path, monkeypatch):
+    """stream: every step trains on fresh calibration samples (never a validation sample,
+    never the eval split), drawn from the seed, so a run interrupted and resumed ends with
+    the gates of an uninterrupted one; stream_pool reuses the pool's prefills."""
+    seen = []
+    real_item = T.prepare_item
+
+    def spy(engine, task, sample, *a, **k):
+        seen.append(sample)
+        return real_item(engine, task, sample, *a, **k)
+
+    monkeypatch.setattr(T, "prepare_item", spy)
+    over = dict(tasks={"niah_single_1": 2, "niah_multikey": 2}, val_fraction=0.5, stream=2, steps=4, save_every=2)
+    (tmp_path / "a").mkdir()
+    assert train(write_config(tmp_path / "a", tiny_dir, **over)) == 0
+    split = json.loads((tmp_path / "a" / "run" / "split.json").read_text())
+    val, fresh = set(split["val"]), [s for s in seen if s.id not in split["val"]]
+    assert len(val) == 2 and len(fresh) == 4 * 2 and len({s.id for s in fresh}) == 8  # 2 new per step
+    assert all(s.split == "calibration" for s in seen) and not val & {s.id for s in fresh}
+    assert {s.task for s in fresh} <= {"niah_single_1", "niah_multikey"}
+
+    (tmp_path / "b").mkdir()
+    real_loss, calls = T.answer_loss, {"n": 0}
+
+    def dies(*a, **k):
+        calls["n"] += 1
+        if calls["n"] > 2 * 2 + 2:  # validation at step 0 (2 items), steps 1-2 (2 each); step 3 dies
+            raise KeyboardInterrupt
+        return real_loss(*a, **k)
+
+    monkeypatch.setattr(T, "answer_loss", dies)
+    with pytest.raises(KeyboardInterrupt):
+        train(write_config(tmp_path / "b", tiny_dir, **over))
+    monkeypatch.setattr(T, "answer_loss", real_loss)
+    assert train(write_config(tmp_path / "b", tiny_dir, **over)) == 0
+    a, _ = T.load_gates(tmp_path / "a" / "run" / "gates.safetensors")
+    b, _ = T.load_gates(tmp_path / "b" / "run" / "gates.safetensors")
+    assert torch.equal(a["theta"], b["theta"]) and torch.equal(a["beta"], b["beta"])
+
+    seen.clear()
+    (tmp_path / "c").mkdir()
+    assert train(write_config(tmp_path / "c", tiny_dir, **{**over, "stream": 1, "stream_pool": 4, "batch_size": 3})) == 0
+    assert len([s for s in seen if s.id not in split["val"]]) == 4  # one new prefill per step, the pool reused
+
+
+def test_stream_settings_are_checked():
+    with pytest.raises(ConfigError, match="stream_pool needs stream"):
+        load_config(T.TrainConfig, overrides=["stream_pool=4"])
+    with pytest.raises(ConfigError, match="must hold at least one step"):
+        load_config(T.TrainConfig, overrides=["stream=4", "stream_pool=2"])

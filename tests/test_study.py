@@ -22,7 +22,7 @@ def study_config(tmp_path, tiny_dir):
         "aware_budgets": [0.25, 0.5],  # the aware protocol at its own budgets
         "protocols": ["agnostic", "aware"],
         "methods": ["snapkv", "tova", "knorm"],
-        "pyramid": ["tova"],
+        "pyramid": [],  # the control pyramid:<best homogeneous method> runs anyway
         "train": {"steps": 3, "batch_size": 2, "eval_every": 3, "save_every": 3, "lr": 0.3, "select": "last"},
         "variants": {
             "learned": {},
@@ -94,6 +94,32 @@ def test_study_end_to_end_then_nothing_to_redo(tiny_dir, tmp_path, monkeypatch, 
     budgets_only = json.loads((out / "routes" / "learned_budgets_only.json").read_text())
     assert len({layer["method"] for layer in budgets_only["layers"]}) == 1
     assert budgets_only["layers"][0]["method"] in profile["methods"]
+    # the control (question 8): each warm-started variant's untrained start, benched beside it
+    assert not (out / "routes" / "learned_start.json").exists()  # `learned` starts cold: no start to bench
+    for b in result["protocols"]["agnostic"]["budgets"]:
+        assert set(b["q8_vs_start"]) == {"learned_budgets_only", "learned_warm", "learned_homog_adapter"}
+    start = json.loads((out / "routes" / "learned_budgets_only_start.json").read_text())
+    assert start["provenance"]["source"] == "start"
+    # budgets only from @profile_best: untrained, that is the homogeneous route of that method,
+    # so both decode the same answers on every eval sample
+    method = budgets_only["layers"][0]["method"]
+    assert {layer["method"] for layer in start["layers"]} == {method}
+    assert [layer["budget"] for layer in start["layers"]] == pytest.approx([0.25] * 4)
+    raw = [json.loads(line) for line in (out / "bench_agnostic" / "results.jsonl").read_text().splitlines()]
+    got = {(r["sample_id"], r["budget"]): r["prediction"] for r in raw if r["route"].endswith("learned_budgets_only_start.json")}
+    want = {(r["sample_id"], r["budget"]): r["prediction"] for r in raw if r["route"] == f"homogeneous:{method}"}
+    assert len(got) == 8 and got == want
+    # the control pyramid:<best homogeneous method>, per budget, on the same eval samples
+    from statistics import mean
+    controls = [json.loads(x) for x in (out / "bench_agnostic_controls" / "results.jsonl").read_text().splitlines()]
+    for b in result["protocols"]["agnostic"]["budgets"]:
+        homog = {r["route"] for r in raw if r["route"].startswith("homogeneous:")}
+        avg = {h: mean(r["score"] for r in raw if r["route"] == h and r["budget"] == b["budget"]) for h in sorted(homog)}
+        best = max(sorted(avg), key=avg.get)  # ties: the first by name
+        assert b["best_homogeneous"] == best and b["pyramid_best"] == "pyramid:" + best.split(":")[1]
+        assert b["q1_vs_pyramid_best"]["n"] == 4
+        assert {r["sample_id"] for r in controls if r["route"] == b["pyramid_best"] and r["budget"] == b["budget"]} == {
+            r["sample_id"] for r in raw if r["route"] == "full"}
     # the adapter variant: a fixed one-method route with its LoRA folder beside it
     adapted = json.loads((out / "routes" / "learned_homog_adapter.json").read_text())
     assert len({layer["method"] for layer in adapted["layers"]}) == 1

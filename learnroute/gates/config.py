@@ -43,6 +43,17 @@ class TrainConfig:
     )
     steps: int = field(default=200, metadata={"help": "optimiser steps"})
     batch_size: int = field(default=4, metadata={"help": "calibration samples per step (split across processes)"})
+    stream: int = field(
+        default=0,
+        metadata={"help": "fresh calibration samples drawn per step from the calibration split of the families in "
+                          "tasks (weighted by their counts; never the samples tasks fixes); 0 = train on the "
+                          "fixed set. tasks still gives the validation samples (val_fraction of them)"},
+    )
+    stream_pool: int = field(
+        default=0,
+        metadata={"help": "with stream: batches of batch_size drawn from the last stream_pool drawn samples "
+                          "(their prefills reused); 0 = each step trains on its stream fresh samples"},
+    )
     lr: float = field(default=0.02, metadata={"help": "AdamW learning rate"})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
     gate_temperature: list[float] = field(
@@ -147,9 +158,16 @@ class TrainConfig:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.lr > 0:
             problems.append(f"lr must be > 0, got {self.lr}")
+        if self.stream < 0 or self.stream_pool < 0:
+            problems.append(f"stream and stream_pool must be >= 0, got {self.stream} and {self.stream_pool}")
+        elif self.stream_pool and not self.stream:
+            problems.append("stream_pool needs stream >= 1 (fresh samples per step) to fill the pool")
+        elif self.stream and self.stream_pool and self.stream_pool < self.stream:
+            problems.append(f"stream_pool ({self.stream_pool}) must hold at least one step's stream ({self.stream})")
         if not 0.0 <= self.val_fraction < 1.0:
             problems.append(f"val_fraction must be in [0, 1), got {self.val_fraction}")
-        elif self.tasks and sum(self.tasks.values()) - round(self.val_fraction * sum(self.tasks.values())) < 1:
+        elif (not self.stream and self.tasks
+              and sum(self.tasks.values()) - round(self.val_fraction * sum(self.tasks.values())) < 1):
             problems.append(
                 f"val_fraction={self.val_fraction} of {sum(self.tasks.values())} calibration samples leaves none to train on"
             )

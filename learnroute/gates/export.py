@@ -21,6 +21,7 @@ from learnroute.gates import cotrain
 from learnroute.gates.checkpoint import load_gates
 from learnroute.gates.config import TrainConfig
 from learnroute.gates.gates import Gates
+from learnroute.gates.start import build_gates
 from learnroute.methods.budgets import Budget
 from learnroute.route import Route, parse_budget
 
@@ -176,3 +177,27 @@ def export_cli(
         route = cotrain.export_adapter(tensors, config, meta["model"], route, out)
     route.to_file(out)
     return route
+
+
+def has_start(config: TrainConfig) -> bool:
+    """Does the run start from a route or a method (a warm start worth benching untrained)?"""
+    return config.init_route is not None or config.init_method is not None
+
+
+def export_start(source: str | Path, out: str | Path) -> Route:
+    """The untrained start of a train run: its initial gates (:func:`learnroute.gates.start.build_gates`),
+    hardened and exported exactly as its trained route is (at the first training budget, no
+    adapter). Bench it beside the trained route: a gain is credited to learning only over it."""
+    ckpt, run = resolve_source(source)
+    config = from_dict(TrainConfig, yaml.safe_load((run / "config.yaml").read_text()) or {})
+    ckpt = ckpt or chosen_checkpoint(run, config.select)
+    tensors, meta = load_gates(ckpt, methods=config.methods)
+    n_layers = int(meta["n_layers"])
+    gates = build_gates(config, n_layers, [bool(x) for x in tensors["free"].tolist()])
+    route = gates.harden(config.budgets[0], config.context_tokens, model=meta["model"])
+    prov = {**route.provenance, "source": "start", "start_of": str(run), "budget": config.budgets[0],
+            "train_config": to_dict(config)}
+    route = Route(route.layers, model=route.model, provenance=prov)
+    route.to_file(out)
+    return route
+

@@ -44,6 +44,7 @@ from learnroute.gates import cotrain
 from learnroute.gates.checkpoint import checkpoint_meta, latest_checkpoint, load_gates, save_gates
 from learnroute.gates.config import CANDIDATES, SELECT, TrainConfig
 from learnroute.gates.gates import Gates
+from learnroute.gates.start import init_from, build_gates
 from learnroute.methods.budgets import Budget, mean_tokens
 from learnroute.route import Route
 
@@ -172,58 +173,6 @@ def validate_hard(model, gates: Gates, items: list[CalibItem], routes: dict[Budg
     return sum(total) / len(total)
 
 
-# ---------------------------------------------------------------------------- initial gates
-
-
-def _init_from(config: TrainConfig, n_layers: int, free: list[bool] | None = None) -> tuple[list[str] | None, list[float] | None]:
-    """Initial per-layer methods and budget shares from ``init_route`` / ``init_method``
-    (both: the route's budget shape with ``init_method`` in every layer). The shape is
-    read over the ``free`` layers (those routes compress; default all)."""
-    if config.init_route is None:
-        return ([config.init_method] * n_layers if config.init_method is not None else None), None
-    route = Route.from_file(config.init_route)
-    route.check_layers(n_layers, "the model")
-    free = [True] * n_layers if free is None else free
-    budgets = [b for b, f in zip(route.budgets, free) if f]
-    shares = None
-    if len({isinstance(b, float) for b in budgets}) == 1 and len(set(budgets)) > 1:
-        # Invert the gates' budget map k_l = mean·(f + (1 - f)·L·share_l), L and the mean
-        # over the free layers, so the initial soft budgets reproduce the route's shape
-        # (layers below the floor get ~0 share; fixed layers none).
-        mean = float(sum(budgets)) / len(budgets)
-        f, L = config.budget_floor, len(budgets)
-        shares = [max(float(b) / mean - f, 0.0) / (L * (1 - f)) if ok else 0.0 for b, ok in zip(route.budgets, free)]
-        total = sum(shares)
-        shares = [x / total for x in shares] if total > 0 else None
-    return ([config.init_method] * n_layers if config.init_method is not None else route.methods), shares
-
-
-def initial_logit(config: TrainConfig) -> float:
-    """The logit of a layer's initial method: ``init_logit``, or the one that gives it
-    π = ``init_pi`` at the first gate temperature (the other M - 1 logits are 0):
-    π = e^(x/T) / (e^(x/T) + M - 1)  =>  x = T · ln(π (M - 1) / (1 - π))."""
-    if config.init_pi is None:
-        return config.init_logit
-    p, m = config.init_pi, len(config.methods)
-    return config.gate_temperature[0] * math.log(p * (m - 1) / (1 - p))
-
-
-def build_gates(config: TrainConfig, n_layers: int, free: list[bool]) -> Gates:
-    """The run's initial gates (``learn: none``: frozen at the route, hard masks)."""
-    if config.learn == "none":
-        return cotrain.build_fixed_gates(config, None, n_layers, free)
-    methods, shares = _init_from(config, n_layers, free)
-    return Gates(
-        config.methods,
-        free,
-        learn=config.learn,
-        init_methods=methods,
-        init_shares=shares,
-        init_logit=initial_logit(config),
-        budget_floor=config.budget_floor,
-    )
-
-
 # ---------------------------------------------------------------------------- calibration prefills
 
 
@@ -285,7 +234,7 @@ def _setup(config: TrainConfig, overwrite: bool, progress: bool) -> _Run:
     model, tokenizer = load_model(config.model)
     model.to(acc.device)
     engine = Engine(model, tokenizer, query_aware=config.query_aware)
-    _init_from(config, engine.n_layers)  # a warm-start route for another layer count fails here, before any prefill
+    init_from(config, engine.n_layers)  # a warm-start route for another layer count fails here, before any prefill
     return _Run(config, acc, out, log, model, engine, model_name(model), progress)
 
 
@@ -304,6 +253,10 @@ def _split(run: _Run) -> tuple[list, list[int], list[int]]:
     val_idx, train_idx = sorted(order[:n_val]), sorted(order[n_val:])
     if run.main:
         ids = {"train": [pairs[i][1].id for i in train_idx], "val": [pairs[i][1].id for i in val_idx]}
+        if config.stream:  # training samples come from the stream (sample ids from STREAM_OFFSET on)
+            ids["train"] = []
+            ids["stream"] = {"per_step": config.stream, "pool": config.stream_pool, "first_index": STREAM_OFFSET,
+                             "families": dict(config.tasks)}
         atomic_write(run.out / "split.json", json.dumps(ids, indent=1) + "\n")
     return pairs, train_idx, val_idx
 
@@ -327,6 +280,64 @@ def _prefill(run: _Run, pairs: list, indices: list[int]) -> dict[int, CalibItem]
     return items
 
 
+# Stream samples are indexed from here on in each family's calibration stream, far past any
+# fixed set (``tasks``' counts): the stream never repeats a validation sample.
+STREAM_OFFSET = 1_000_000
+
+
+class _Stream:
+    """Fresh calibration samples as training goes (``stream`` per step), from the calibration
+    split of ``tasks``' families weighted by their counts. Step ``s`` draws the samples
+    ``(family, STREAM_OFFSET + s·stream + j)``, the family from the step's seed, so a
+    resumed run draws what an uninterrupted one does. With ``stream_pool`` the batch is
+    ``batch_size`` samples drawn from the last ``stream_pool`` drawn; prefills are made on
+    demand and the last ``max(stream_pool, stream)`` kept."""
+
+    def __init__(self, run: _Run) -> None:
+        from collections import OrderedDict
+
+        self.run, self.config = run, run.config
+        self.families = list(self.config.tasks)
+        self.weights = torch.tensor([float(self.config.tasks[f]) for f in self.families])
+        self.cache: OrderedDict[str, CalibItem] = OrderedDict()
+        self.keep = max(self.config.stream_pool, self.config.stream)
+
+    def drawn(self, step: int) -> list[tuple[str, int]]:
+        """(family, index) of the samples step ``step`` draws fresh."""
+        rng = torch.Generator().manual_seed(self.config.seed * 1_000_003 + step + 7)
+        picks = torch.multinomial(self.weights, self.config.stream, replacement=True, generator=rng).tolist()
+        return [(self.families[f], STREAM_OFFSET + step * self.config.stream + j) for j, f in enumerate(picks)]
+
+    def batch(self, step: int, rng: torch.Generator) -> list[tuple[str, int]]:
+        """The step's batch: its fresh samples, or ``batch_size`` of the pool (which ends with them)."""
+        if not self.config.stream_pool:
+            return self.drawn(step)
+        per = self.config.stream
+        first = max(0, step + 1 - self.config.stream_pool // per)
+        pool = [x for s in range(first, step + 1) for x in self.drawn(s)][-self.config.stream_pool :]
+        order = torch.randperm(len(pool), generator=rng)[: self.config.batch_size]
+        return [pool[int(i)] for i in order]
+
+    def item(self, family: str, index: int) -> CalibItem:
+        """The sample's prefill (made once while it stays in the pool)."""
+        from learnroute import adapter as _adapter
+        from learnroute.tasks.ruler import make_sample
+
+        config = self.config
+        sample = make_sample(family, self.run.engine.tokenizer, config.context_tokens, "calibration", config.seed, index)
+        if sample.split != "calibration":  # a programming error, never user input
+            raise RuntimeError("gates must train on calibration samples only")
+        if sample.id not in self.cache:
+            # An adapter being trained is on for the step; the prefill and the KL reference
+            # are the base model's, as for the fixed set (prefilled before the adapter existed).
+            with _adapter.adapters_off(self.run.model):
+                self.cache[sample.id] = prepare_item(self.run.engine, family, sample, config.methods, config.kl_weight > 0)
+            while len(self.cache) > self.keep:
+                self.cache.popitem(last=False)
+        self.cache.move_to_end(sample.id)
+        return self.cache[sample.id]
+
+
 class _Trainer:
     """The optimisation of one run: gates (+ adapter), AdamW, resume, validation, steps,
     checkpoints. Built after the prefills; :meth:`fit` runs the remaining steps."""
@@ -337,7 +348,8 @@ class _Trainer:
 
         config, self.run, self.items = run.config, run, items
         self.train_idx, self.mine = train_idx, set(mine)
-        first = next(iter(items.values()))
+        self.stream = _Stream(run) if config.stream else None
+        first = next(iter(items.values())) if items else self.stream.item(*self.stream.drawn(0)[0])
         engine = run.engine
         free = [not engine.is_fixed(layer, int(first.kv[layer][0].shape[2]), first.n_tokens) for layer in range(engine.n_layers)]
         self.gates = build_gates(config, engine.n_layers, free).to(run.acc.device)
@@ -408,18 +420,29 @@ class _Trainer:
             tau_scale=config.topk_scale,
         )
 
+    def batch(self, step: int, rng: torch.Generator) -> tuple[list, list[CalibItem]]:
+        """The step's batch (drawn from the step's seed: resume is exact) and the items of it
+        this process computes: the members it prefilled (fixed set), or every world-th one
+        (stream; prefilled here on demand)."""
+        if self.stream is not None:
+            batch = self.stream.batch(step, rng)
+            acc = self.run.acc
+            return batch, [self.stream.item(*m) for m in batch[acc.process_index :: acc.num_processes]]
+        order = torch.randperm(len(self.train_idx), generator=rng)[: self.run.config.batch_size]
+        batch = [self.train_idx[int(j)] for j in order]
+        return batch, [self.items[i] for i in batch if i in self.mine]
+
     def step(self, step: int) -> tuple[float, float, Budget]:
         """One optimiser step on a batch drawn from the step's seed (resume is exact).
         Each process computes the batch members it prefilled; gradients are summed."""
         config, acc = self.run.config, self.run.acc
         rng = torch.Generator().manual_seed(config.seed * 1_000_003 + step)
-        batch = [self.train_idx[int(j)] for j in torch.randperm(len(self.train_idx), generator=rng)[: config.batch_size]]
+        batch, local = self.batch(step, rng)
         budget = config.budgets[int(torch.randint(len(config.budgets), (1,), generator=rng))]
         temp = anneal(config.gate_temperature, step, config.steps)
         self.optimizer.zero_grad(set_to_none=False)
         loss_sum, ce_sum = torch.zeros((), device=acc.device), torch.zeros((), device=acc.device)
-        for i in (i for i in batch if i in self.mine):
-            item = self.items[i]
+        for item in local:
             loss, ce = answer_loss(
                 self.run.model, item, self.masks(item, budget, rng, step), eps=config.eps,
                 first_token_weight=config.first_token_weight, ce_weight=config.ce_weight,
@@ -496,11 +519,12 @@ class _Trainer:
 def run_train(config: TrainConfig, overwrite: bool = False, progress: bool = True) -> Path:
     """Train gates on calibration samples into ``config.output``; resumes from the latest
     checkpoint of an interrupted run with the same config. Stages: set-up, split,
-    prefill, optimisation (resume, steps, validation, checkpoints), export and plots."""
+    prefill, optimisation (resume, steps, validation, checkpoints), export and plots.
+    With ``stream``, training samples are drawn fresh as it goes (:class:`_Stream`)."""
     run = _setup(config, overwrite, progress)
     pairs, train_idx, val_idx = _split(run)
     rank, world = run.acc.process_index, run.acc.num_processes
-    mine = train_idx[rank::world]
+    mine = [] if config.stream else train_idx[rank::world]  # a stream prefills its samples as it goes
     with frozen(run.model), contextlib.ExitStack() as stack:
         run.log.info("prefilling %d calibration samples (%d train, %d validation)", len(pairs), len(train_idx), len(val_idx))
         items = _prefill(run, pairs, mine + (val_idx if run.main else []))

@@ -329,6 +329,13 @@ METRIC = {"multihop_qa": "string_match_part"}
 MAX_NEW_TOKENS = {"variable_tracking": 30, "common_words": 120, "frequent_words": 50, "multihop_qa": 32}
 NIAH_MAX_NEW_TOKENS = 128
 
+# Families beyond needle retrieval (JSON key-value, code, fact sheet, in-context labels).
+from learnroute.tasks.families import FAMILIES, FAMILY_MAX_NEW_TOKENS, FAMILY_METRIC  # noqa: E402
+
+TASKS.update(FAMILIES)
+METRIC.update(FAMILY_METRIC)
+MAX_NEW_TOKENS.update(FAMILY_MAX_NEW_TOKENS)
+
 
 def make_sample(task: str, tokenizer, n_tokens: int, split: str, seed: int, index: int) -> Sample:
     """Sample ``index`` of ``task`` in ``split`` at about ``n_tokens`` context tokens."""

@@ -1,0 +1,62 @@
+"""The initial gates of a training run: a cold start, or a warm start from a route
+(``init_route``: its methods and budget shape) or one method (``init_method``); frozen
+gates for ``learn: none``. The study exports these too, as each variant's untrained
+start (``<variant>_start``): a gain is credited to learning only over it."""
+
+from __future__ import annotations
+
+import math
+
+from learnroute.gates import cotrain
+from learnroute.gates.config import TrainConfig
+from learnroute.gates.gates import Gates
+from learnroute.route import Route
+
+
+def init_from(config: TrainConfig, n_layers: int, free: list[bool] | None = None) -> tuple[list[str] | None, list[float] | None]:
+    """Initial per-layer methods and budget shares from ``init_route`` / ``init_method``
+    (both: the route's budget shape with ``init_method`` in every layer). The shape is
+    read over the ``free`` layers (those routes compress; default all)."""
+    if config.init_route is None:
+        return ([config.init_method] * n_layers if config.init_method is not None else None), None
+    route = Route.from_file(config.init_route)
+    route.check_layers(n_layers, "the model")
+    free = [True] * n_layers if free is None else free
+    budgets = [b for b, f in zip(route.budgets, free) if f]
+    shares = None
+    if len({isinstance(b, float) for b in budgets}) == 1 and len(set(budgets)) > 1:
+        # Invert the gates' budget map k_l = mean·(f + (1 - f)·L·share_l), L and the mean
+        # over the free layers, so the initial soft budgets reproduce the route's shape
+        # (layers below the floor get ~0 share; fixed layers none).
+        mean = float(sum(budgets)) / len(budgets)
+        f, L = config.budget_floor, len(budgets)
+        shares = [max(float(b) / mean - f, 0.0) / (L * (1 - f)) if ok else 0.0 for b, ok in zip(route.budgets, free)]
+        total = sum(shares)
+        shares = [x / total for x in shares] if total > 0 else None
+    return ([config.init_method] * n_layers if config.init_method is not None else route.methods), shares
+
+
+def initial_logit(config: TrainConfig) -> float:
+    """The logit of a layer's initial method: ``init_logit``, or the one that gives it
+    π = ``init_pi`` at the first gate temperature (the other M - 1 logits are 0):
+    π = e^(x/T) / (e^(x/T) + M - 1)  =>  x = T · ln(π (M - 1) / (1 - π))."""
+    if config.init_pi is None:
+        return config.init_logit
+    p, m = config.init_pi, len(config.methods)
+    return config.gate_temperature[0] * math.log(p * (m - 1) / (1 - p))
+
+
+def build_gates(config: TrainConfig, n_layers: int, free: list[bool]) -> Gates:
+    """The run's initial gates (``learn: none``: frozen at the route, hard masks)."""
+    if config.learn == "none":
+        return cotrain.build_fixed_gates(config, None, n_layers, free)
+    methods, shares = init_from(config, n_layers, free)
+    return Gates(
+        config.methods,
+        free,
+        learn=config.learn,
+        init_methods=methods,
+        init_shares=shares,
+        init_logit=initial_logit(config),
+        budget_floor=config.budget_floor,
+    )
