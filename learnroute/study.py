@@ -54,6 +54,11 @@ class StudyConfig:
         default_factory=lambda: {"niah_single_1": 4, "niah_single_2": 4, "niah_multivalue": 4, "niah_multiquery": 4},
         metadata={"help": "eval task -> samples (disjoint seed stream from calibration)"},
     )
+    heldout: list[str] | None = field(
+        default=None,
+        metadata={"help": "eval tasks declared out-of-family (checked: never in calibration, nor in a variant's "
+                          "val_tasks). Every eval task outside calibration is answered out-of-family anyway"},
+    )
     eval_seed: int = field(default=0, metadata={"help": "seed of the eval sample stream"})
     budgets: list[Budget] = field(
         default_factory=lambda: [0.1, 0.2],
@@ -158,6 +163,22 @@ class StudyConfig:
                 from_dict(TrainConfig, cfg)
             except ConfigError as e:
                 problems.append(f"variant {name!r}: {e}")
+        problems += self._family_problems(variants)
+        return problems
+
+    def _family_problems(self, variants: dict[str, dict[str, Any]]) -> list[str]:
+        """Out-of-family eval tasks must stay unseen: not calibrated on, not validated on."""
+        problems = []
+        out = set(self.eval_tasks) - set(self.calibration)
+        for t in self.heldout or []:
+            if t not in self.eval_tasks:
+                problems.append(f"heldout: {t!r} is not an eval task ({', '.join(self.eval_tasks)})")
+            elif t in self.calibration:
+                problems.append(f"heldout: {t!r} is also a calibration task: an out-of-family family must be unseen")
+        for name, cfg in variants.items():
+            if seen := sorted(set(cfg.get("val_tasks") or {}) & (out | set(self.heldout or []))):
+                problems.append(f"variant {name!r}: val_tasks {seen} are out-of-family eval tasks; validate on "
+                                "other families (their eval answers would no longer be out-of-family)")
         return problems
 
     def variant_configs(self, out: Path, check: bool = False) -> dict[str, dict[str, Any]]:
@@ -498,6 +519,71 @@ def _label(route: str) -> str:
     return stem if route.endswith(".json") else route
 
 
+def _answers(config: StudyConfig, rows: list[dict], main: str, budgets: list[Budget]) -> dict[str, Any]:
+    """Questions 1-3, 5, 6, 8 and the controls per budget over ``rows`` (one protocol, one
+    set of eval tasks): the tasks the full cache solves, averages, paired intervals."""
+    full_task, valid = solved_tasks(rows)
+    all_tasks = not any(s >= VALID_FULL for s in full_task.values())  # say so in the tables
+    scores = sample_scores(rows, valid)
+    full = next((v for (route, _), v in scores.items() if route == "full"), {})
+    routes = sorted({route for route, _ in scores})
+    per_budget = []
+    for b in budgets:
+        bk = json.dumps(b)
+        avg = {route: mean(scores[(route, bk)].values()) for route in routes if (route, bk) in scores}
+        best_h = best_homogeneous(scores, bk)
+        # Per task (every task, solved or not): the routes of questions 1-2; Q3 reads it too.
+        wanted = {main, best_h, "profile", "profile_alloc"} - {None}
+        cells: dict[str, dict[str, list[float]]] = {}
+        for x in rows:  # one pass: route -> task -> scores at this budget
+            if x["route"] in wanted and json.dumps(x["budget"]) == bk:
+                cells.setdefault(x["route"], {}).setdefault(x["task"], []).append(float(x["score"]))
+        by_task = {r: {t: mean(v) for t, v in sorted(ts.items())} for r, ts in cells.items()}
+        entry: dict[str, Any] = {"budget": b, "avg": avg, "full": mean(full.values()) if full else None}
+        entry["best_homogeneous"] = best_h
+        pyr = f"pyramid:{best_h.split(':', 1)[1]}" if best_h else None
+        entry["pyramid_best"] = pyr if (pyr, bk) in scores else None
+        if main in avg and best_h:
+            m = scores[(main, bk)]
+            entry["q1_vs_best_homogeneous"] = paired(m, scores[(best_h, bk)], config.bootstrap)
+            if entry["pyramid_best"]:  # the control: PyramidKV's allocation over that method
+                entry["q1_vs_pyramid_best"] = paired(m, scores[(pyr, bk)], config.bootstrap)
+            for p in ("profile", "profile_alloc"):
+                if (p, bk) in scores:
+                    entry[f"q2_vs_{p}"] = paired(m, scores[(p, bk)], config.bootstrap)
+            # Q3: tasks where the learned route beats the best homogeneous route
+            wins = ties = losses = 0
+            for t in sorted(valid):
+                if t in by_task.get(main, {}) and t in by_task.get(best_h, {}):
+                    d = by_task[main][t] - by_task[best_h][t]
+                    wins, ties, losses = wins + (d > 0), ties + (d == 0), losses + (d < 0)
+            entry["q3_tasks"] = {"wins": wins, "ties": ties, "losses": losses, "tasks": len(valid)}
+            f, h, lv = entry["full"], avg[best_h], avg[main]
+            entry["q5_gap_recovered"] = (lv - h) / (f - h) if f is not None and f > h else None
+            entry["q6_variants"] = {
+                r: paired(scores[(r, bk)], m, config.bootstrap)
+                for r in routes
+                if r.startswith("learned") and r != main and not r.endswith(START) and (r, bk) in scores
+            }
+            entry["best_homogeneous_rel_full"] = h / f if f else None
+        # Q8: every learned route minus its own untrained start (learning's credit)
+        entry["q8_vs_start"] = {
+            r[: -len(START)]: paired(scores[(r[: -len(START)], bk)], scores[(r, bk)], config.bootstrap)
+            for r in routes
+            if r.endswith(START) and (r, bk) in scores and (r[: -len(START)], bk) in scores
+        }
+        entry["by_task"] = by_task
+        per_budget.append(entry)
+    return {
+        "valid_tasks": sorted(valid),
+        "left_out_tasks": sorted(set(full_task) - valid),
+        "no_task_qualifies": all_tasks,
+        "full_by_task": full_task,
+        "n_eval_samples": len(full),
+        "budgets": per_budget,
+    }
+
+
 def analyze(folder: str | Path, rescore: bool = False) -> dict[str, Any]:
     """The study's answers from its folders alone; writes study.json and study.md."""
     import yaml
@@ -521,66 +607,14 @@ def analyze(folder: str | Path, rescore: bool = False) -> dict[str, Any]:
             r["route"] = _label(r["route"])
             if r["route"] == f"{main}_at_{r['budget']}":  # the per-budget routes, one row in the tables
                 r["route"] = f"{main}_per_budget"
-        full_task, valid = solved_tasks(rows)
-        all_tasks = not any(s >= VALID_FULL for s in full_task.values())  # say so in the tables
-        scores = sample_scores(rows, valid)
-        full = next((v for (route, _), v in scores.items() if route == "full"), {})
-        routes = sorted({route for route, _ in scores})
-        per_budget = []
-        for b in config.protocol_budgets(protocol):
-            bk = json.dumps(b)
-            avg = {route: mean(scores[(route, bk)].values()) for route in routes if (route, bk) in scores}
-            best_h = best_homogeneous(scores, bk)
-            # Per task (every task, solved or not): the routes of questions 1-2; Q3 reads it too.
-            wanted = {main, best_h, "profile", "profile_alloc"} - {None}
-            cells: dict[str, dict[str, list[float]]] = {}
-            for x in rows:  # one pass: route -> task -> scores at this budget
-                if x["route"] in wanted and json.dumps(x["budget"]) == bk:
-                    cells.setdefault(x["route"], {}).setdefault(x["task"], []).append(float(x["score"]))
-            by_task = {r: {t: mean(v) for t, v in sorted(ts.items())} for r, ts in cells.items()}
-            entry: dict[str, Any] = {"budget": b, "avg": avg, "full": mean(full.values()) if full else None}
-            entry["best_homogeneous"] = best_h
-            pyr = f"pyramid:{best_h.split(':', 1)[1]}" if best_h else None
-            entry["pyramid_best"] = pyr if (pyr, bk) in scores else None
-            if main in avg and best_h:
-                m = scores[(main, bk)]
-                entry["q1_vs_best_homogeneous"] = paired(m, scores[(best_h, bk)], config.bootstrap)
-                if entry["pyramid_best"]:  # the control: PyramidKV's allocation over that method
-                    entry["q1_vs_pyramid_best"] = paired(m, scores[(pyr, bk)], config.bootstrap)
-                for p in ("profile", "profile_alloc"):
-                    if (p, bk) in scores:
-                        entry[f"q2_vs_{p}"] = paired(m, scores[(p, bk)], config.bootstrap)
-                # Q3: tasks where the learned route beats the best homogeneous route
-                wins = ties = losses = 0
-                for t in sorted(valid):
-                    if t in by_task.get(main, {}) and t in by_task.get(best_h, {}):
-                        d = by_task[main][t] - by_task[best_h][t]
-                        wins, ties, losses = wins + (d > 0), ties + (d == 0), losses + (d < 0)
-                entry["q3_tasks"] = {"wins": wins, "ties": ties, "losses": losses, "tasks": len(valid)}
-                f, h, lv = entry["full"], avg[best_h], avg[main]
-                entry["q5_gap_recovered"] = (lv - h) / (f - h) if f is not None and f > h else None
-                entry["q6_variants"] = {
-                    r: paired(scores[(r, bk)], m, config.bootstrap)
-                    for r in routes
-                    if r.startswith("learned") and r != main and not r.endswith(START) and (r, bk) in scores
-                }
-                entry["best_homogeneous_rel_full"] = h / f if f else None
-            # Q8: every learned route minus its own untrained start (learning's credit)
-            entry["q8_vs_start"] = {
-                r[: -len(START)]: paired(scores[(r[: -len(START)], bk)], scores[(r, bk)], config.bootstrap)
-                for r in routes
-                if r.endswith(START) and (r, bk) in scores and (r[: -len(START)], bk) in scores
-            }
-            entry["by_task"] = by_task
-            per_budget.append(entry)
-        result["protocols"][protocol] = {
-            "valid_tasks": sorted(valid),
-            "left_out_tasks": sorted(set(full_task) - valid),
-            "no_task_qualifies": all_tasks,
-            "full_by_task": full_task,
-            "n_eval_samples": len(full),
-            "budgets": per_budget,
-        }
+        answers = _answers(config, rows, main, config.protocol_budgets(protocol))
+        # In-family (eval tasks that calibrated the routes) and out-of-family (tasks they
+        # never saw), side by side with the same questions and intervals.
+        calibrated = set(config.calibration)
+        split = {"in": [r for r in rows if r["task"] in calibrated], "out": [r for r in rows if r["task"] not in calibrated]}
+        if split["in"] and split["out"]:
+            answers["families"] = {k: _answers(config, v, main, config.protocol_budgets(protocol)) for k, v in split.items()}
+        result["protocols"][protocol] = answers
     placement = folder / "placement" / "placement.json"
     if placement.is_file():
         p = json.loads(placement.read_text())
@@ -733,6 +767,8 @@ def to_markdown(result: dict[str, Any], main: str) -> str:
             lines.append("|---|" + "---|" * len(res["budgets"]))
             for v in variants:
                 lines.append(f"| {v} | " + " | ".join(_ci(e.get("q6_variants", {}).get(v)) for e in res["budgets"]) + " |")
+        if "families" in res:
+            lines += ["", *_family_table(res["families"], main)]
         if any(e.get("q1_vs_pyramid_best") for e in res["budgets"]):
             lines += ["", f"Control: `{main}` minus PyramidKV's allocation over the best homogeneous method "
                       "(paired, x100):", ""]
@@ -763,18 +799,45 @@ def to_markdown(result: dict[str, Any], main: str) -> str:
     return "\n".join(lines)
 
 
+def _family_table(families: dict[str, Any], main: str) -> list[str]:
+    """In-family vs out-of-family answers side by side (markdown lines)."""
+    out = [
+        "In-family (eval tasks the routes were calibrated on: "
+        + ", ".join(families["in"]["valid_tasks"]) + f"; {families['in']['n_eval_samples']} samples) vs "
+        "out-of-family (tasks they never saw: " + ", ".join(families["out"]["valid_tasks"])
+        + f"; {families['out']['n_eval_samples']} samples), paired x100:",
+        "",
+        "| budget | family | full | best homogeneous | learned | Q1 learned - best homog. | Q2 - profile_alloc | "
+        "Q8 - its start |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for e_in, e_out in zip(families["in"]["budgets"], families["out"]["budgets"]):
+        for label, e in (("in", e_in), ("out", e_out)):
+            avg, best = e["avg"], e.get("best_homogeneous")
+            fmt = lambda r: f"{100 * avg[r]:.1f}" if r in avg else "n/a"  # noqa: E731
+            full = "n/a" if e.get("full") is None else f"{100 * e['full']:.1f}"
+            out.append(f"| {e['budget']} | {label} | {full} | {fmt(best)} ({best}) | {fmt(main)} | "
+                       f"{_ci(e.get('q1_vs_best_homogeneous'))} | {_ci(e.get('q2_vs_profile_alloc'))} | "
+                       f"{_ci(e.get('q8_vs_start', {}).get(main))} |")
+    return out
+
+
 def summary_table(result: dict[str, Any]) -> str:
-    """The short table ``make run`` prints: questions 1-5 per protocol and budget."""
+    """The short table ``make run`` prints: questions 1-3, 5 and 8 per protocol and budget,
+    on every eval task and, when the study has both, in-family and out-of-family."""
     lines = ["| protocol | budget | Q1 vs best homog. | Q2 vs profile_alloc | Q8 vs its start | Q3 task wins "
              "| Q5 gap recovered |",
              "|---|---|---|---|---|---|---|"]
     main = route_name(result["config"].get("main_variant", "learned"))
-    for protocol, res in result["protocols"].items():
+    rows = [(protocol, res) for protocol, whole in result["protocols"].items()
+            for protocol, res in [(protocol, whole)] + [(f"{protocol}, {k}-family", v)
+                                                        for k, v in whole.get("families", {}).items()]]
+    for label, res in rows:
         for e in res["budgets"]:
             q3 = e.get("q3_tasks")
             gap = e.get("q5_gap_recovered")
             lines.append(
-                f"| {protocol} | {e['budget']} | {_ci(e.get('q1_vs_best_homogeneous'))} | "
+                f"| {label} | {e['budget']} | {_ci(e.get('q1_vs_best_homogeneous'))} | "
                 f"{_ci(e.get('q2_vs_profile_alloc'))} | {_ci(e.get('q8_vs_start', {}).get(main))} | "
                 + (f"{q3['wins']}/{q3['tasks']}" if q3 else "n/a")
                 + f" | {'n/a' if gap is None else f'{100 * gap:.0f} %'} |"

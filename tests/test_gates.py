@@ -691,3 +691,14 @@ def test_stream_settings_are_checked():
         load_config(T.TrainConfig, overrides=["stream_pool=4"])
     with pytest.raises(ConfigError, match="must hold at least one step"):
         load_config(T.TrainConfig, overrides=["stream=4", "stream_pool=2"])
+
+
+def test_val_tasks_validate_on_held_out_families(tiny_dir, tmp_path):
+    """val_tasks: the step is chosen on other families' calibration samples; every sample
+    of tasks trains."""
+    assert train(write_config(tmp_path, tiny_dir, tasks={"niah_single_1": 3}, val_tasks={"niah_multikey": 2},
+                              steps=2, eval_every=1)) == 0
+    split = json.loads((tmp_path / "run" / "split.json").read_text())
+    assert [i.split("/")[0] for i in split["val"]] == ["niah_multikey"] * 2
+    assert len(split["train"]) == 3 and all(i.startswith("niah_single_1/calibration/") for i in split["train"])
+    assert len([r for r in read_jsonl(tmp_path / "run" / "history.jsonl") if "val_ce" in r]) == 3  # steps 0, 1, 2

@@ -109,6 +109,14 @@ def test_study_end_to_end_then_nothing_to_redo(tiny_dir, tmp_path, monkeypatch, 
     got = {(r["sample_id"], r["budget"]): r["prediction"] for r in raw if r["route"].endswith("learned_budgets_only_start.json")}
     want = {(r["sample_id"], r["budget"]): r["prediction"] for r in raw if r["route"] == f"homogeneous:{method}"}
     assert len(got) == 8 and got == want
+    # in-family (niah_single_1 calibrated) and out-of-family (niah_single_2 never seen), side by side
+    fam = result["protocols"]["agnostic"]["families"]
+    assert fam["in"]["full_by_task"].keys() == {"niah_single_1"} and fam["out"]["full_by_task"].keys() == {"niah_single_2"}
+    out_scores = [r["score"] for r in raw if r["route"].endswith("/learned.json") and r["budget"] == 0.25
+                  and r["task"] == "niah_single_2"]
+    assert fam["out"]["budgets"][0]["avg"]["learned"] == pytest.approx(sum(out_scores) / 2)
+    assert fam["out"]["budgets"][0]["q1_vs_best_homogeneous"]["n"] == 2
+    assert "out-of-family (tasks they never saw: niah_single_2" in (out / "study.md").read_text()
     # the control pyramid:<best homogeneous method>, per budget, on the same eval samples
     from statistics import mean
     controls = [json.loads(x) for x in (out / "bench_agnostic_controls" / "results.jsonl").read_text().splitlines()]
@@ -303,3 +311,25 @@ def test_study_still_refuses_a_fixed_method_variant_with_no_start():
         load_config(S.StudyConfig, overrides=["variants={learned: {}, v: {learn: budgets}}"])
     with pytest.raises(ConfigError, match="learn=none keeps the route fixed"):
         load_config(S.StudyConfig, overrides=["variants={learned: {}, v: {learn: none, adapter: true}}"])
+
+
+def test_out_of_family_tasks_must_stay_unseen(tmp_path, tiny_dir):
+    """heldout eval tasks in calibration, or an out-of-family task validating a variant: one
+    error each, before anything runs."""
+    path = study_config(tmp_path, tiny_dir)
+    with pytest.raises(ConfigError) as e:
+        load_config(S.StudyConfig, path, ["heldout=[niah_single_1, niah_multivalue]", "mixture_of=[]", "placement_variant=[learned]",
+                                          "variants={learned: {}, warm: {val_tasks: {niah_single_2: 2}}}"])
+    msg = str(e.value)
+    assert "'niah_single_1' is also a calibration task" in msg
+    assert "'niah_multivalue' is not an eval task" in msg
+    assert "val_tasks ['niah_single_2'] are out-of-family eval tasks" in msg
+    load_config(S.StudyConfig, path, ["heldout=[niah_single_2]", "variants={learned: {}, warm: {val_tasks: {niah_multivalue: 2}}}",
+                                      "mixture_of=[]", "placement_variant=[learned]"])
+
+
+def test_val_tasks_must_be_held_out_families():
+    from learnroute.gates.config import TrainConfig
+
+    with pytest.raises(ConfigError, match=r"val_tasks \['niah_multikey'\] are also training tasks"):
+        load_config(TrainConfig, overrides=["val_tasks={niah_multikey: 2}"])

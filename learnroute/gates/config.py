@@ -30,6 +30,11 @@ class TrainConfig:
     )
     context_tokens: int = field(default=1024, metadata={"help": "context length of the calibration samples (tokens)"})
     seed: int = field(default=0, metadata={"help": "seed of the calibration sample stream, the split and training"})
+    val_tasks: dict[str, int] | None = field(
+        default=None,
+        metadata={"help": "validation samples from these families' calibration split instead of val_fraction of "
+                          "tasks; families not in tasks choose the step for transfer (must not overlap tasks)"},
+    )
     val_fraction: float = field(
         default=0.25, metadata={"help": "share of calibration samples held out to pick the step (0 = none)"}
     )
@@ -164,9 +169,13 @@ class TrainConfig:
             problems.append("stream_pool needs stream >= 1 (fresh samples per step) to fill the pool")
         elif self.stream and self.stream_pool and self.stream_pool < self.stream:
             problems.append(f"stream_pool ({self.stream_pool}) must hold at least one step's stream ({self.stream})")
+        if self.val_tasks is not None:
+            problems += calibration_problems(self.val_tasks, "val_tasks")
+            if overlap := sorted(set(self.val_tasks) & set(self.tasks)):
+                problems.append(f"val_tasks {overlap} are also training tasks: validation families must be held out")
         if not 0.0 <= self.val_fraction < 1.0:
             problems.append(f"val_fraction must be in [0, 1), got {self.val_fraction}")
-        elif (not self.stream and self.tasks
+        elif (not self.stream and self.val_tasks is None and self.tasks
               and sum(self.tasks.values()) - round(self.val_fraction * sum(self.tasks.values())) < 1):
             problems.append(
                 f"val_fraction={self.val_fraction} of {sum(self.tasks.values())} calibration samples leaves none to train on"

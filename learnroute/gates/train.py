@@ -245,12 +245,17 @@ def _split(run: _Run) -> tuple[list, list[int], list[int]]:
 
     config = run.config
     pairs = load_tasks(config.tasks, run.engine.tokenizer, config.context_tokens, "calibration", config.seed)
+    if config.val_tasks is not None:  # held-out families validate; every sample of tasks trains
+        held = load_tasks(config.val_tasks, run.engine.tokenizer, config.context_tokens, "calibration", config.seed)
+        train_idx, val_idx = list(range(len(pairs))), list(range(len(pairs), len(pairs) + len(held)))
+        pairs = pairs + held
+    else:
+        order = list(range(len(pairs)))
+        random.Random(config.seed).shuffle(order)
+        n_val = int(round(config.val_fraction * len(pairs)))
+        val_idx, train_idx = sorted(order[:n_val]), sorted(order[n_val:])
     if any(s.split != "calibration" for _, s in pairs):  # a programming error, never user input
         raise RuntimeError("gates must train on calibration samples only")
-    order = list(range(len(pairs)))
-    random.Random(config.seed).shuffle(order)
-    n_val = int(round(config.val_fraction * len(pairs)))
-    val_idx, train_idx = sorted(order[:n_val]), sorted(order[n_val:])
     if run.main:
         ids = {"train": [pairs[i][1].id for i in train_idx], "val": [pairs[i][1].id for i in val_idx]}
         if config.stream:  # training samples come from the stream (sample ids from STREAM_OFFSET on)
