@@ -151,10 +151,20 @@ def read_jsonl(path: Path) -> list[dict]:
     return rows
 
 
-def _comparable(config: dict) -> dict:
-    # A key missing from a saved config reads as null: a field added later with a null
-    # default (e.g. aware_budgets) must not refuse runs saved before it existed.
-    return {k: v for k, v in config.items() if k not in _RESUME_FREE and v is not None}
+def _comparable(config: dict, defaults: dict | None = None) -> dict:
+    # A key missing from a saved config reads as the field's default (null when it has
+    # none): a field added later (aware_budgets, a train config's stream) defaults to the
+    # behaviour runs had before it existed, so it must not refuse runs saved before it.
+    full = {**(defaults or {}), **config}
+    return {k: v for k, v in full.items() if k not in _RESUME_FREE and v is not None}
+
+
+def _defaults(config: Any) -> dict:
+    """The config class's defaults as a resolved dict (every config field has one)."""
+    try:
+        return to_dict(type(config)())
+    except TypeError:  # a config class with a required field: no defaults to read from
+        return {}
 
 
 def prepare_folder(config: Any, overwrite: bool, is_main: bool) -> Path:
@@ -168,7 +178,8 @@ def prepare_folder(config: Any, overwrite: bool, is_main: bool) -> Path:
     saved = out / "config.yaml"
     if saved.is_file():
         old = yaml.safe_load(saved.read_text()) or {}
-        if _comparable(old) != _comparable(resolved):
+        defaults = _defaults(config)
+        if _comparable(old, defaults) != _comparable(resolved):
             if not overwrite:
                 diff = sorted(
                     k for k in set(old) | set(resolved) if k not in _RESUME_FREE and old.get(k) != resolved.get(k)

@@ -702,3 +702,22 @@ def test_val_tasks_validate_on_held_out_families(tiny_dir, tmp_path):
     assert [i.split("/")[0] for i in split["val"]] == ["niah_multikey"] * 2
     assert len(split["train"]) == 3 and all(i.startswith("niah_single_1/calibration/") for i in split["train"])
     assert len([r for r in read_jsonl(tmp_path / "run" / "history.jsonl") if "val_ce" in r]) == 3  # steps 0, 1, 2
+
+
+def test_train_run_saved_before_the_stream_keys_existed_resumes(tmp_path):
+    """A run folder whose config.yaml predates stream, stream_pool and val_tasks resumes
+    (a missing key reads as its default); a saved value that differs still refuses."""
+    from learnroute.config import to_dict
+    from learnroute.runs import prepare_folder
+
+    config = T.TrainConfig(output=str(tmp_path / "run"))
+    saved = to_dict(config)
+    for key in ("stream", "stream_pool", "val_tasks"):
+        saved.pop(key)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.yaml").write_text(yaml.safe_dump(saved))
+    prepare_folder(config, overwrite=False, is_main=True)
+    saved["stream"] = 3
+    (tmp_path / "run" / "config.yaml").write_text(yaml.safe_dump(saved))
+    with pytest.raises(ConfigError, match="differs in: stream"):
+        prepare_folder(config, overwrite=False, is_main=True)
