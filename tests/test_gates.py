@@ -721,3 +721,19 @@ def test_train_run_saved_before_the_stream_keys_existed_resumes(tmp_path):
     (tmp_path / "run" / "config.yaml").write_text(yaml.safe_dump(saved))
     with pytest.raises(ConfigError, match="differs in: stream"):
         prepare_folder(config, overwrite=False, is_main=True)
+
+
+def test_share_divergence_is_kl_from_uniform():
+    """KL(u || s) = mean_l log(u_l / s_l), computed by hand; 0 at uniform shares, and its
+    gradient pulls a starved layer's logit up."""
+    gates = Gates(["tova", "knorm"], [True, True, False, True])
+    assert float(gates.share_divergence().detach()) == pytest.approx(0.0, abs=1e-7)
+    with torch.no_grad():
+        gates.beta.copy_(torch.tensor([2.0, 0.0, 5.0, -3.0]))
+    e = [2.718281828 ** x for x in (2.0, 0.0, -3.0)]  # layer 2 is fixed: no share
+    s = [x / sum(e) for x in e]
+    want = sum(__import__("math").log((1 / 3) / x) for x in s) / 3
+    d = gates.share_divergence()
+    assert float(d.detach()) == pytest.approx(want, rel=1e-5)
+    d.backward()
+    assert float(gates.beta.grad[3]) < 0  # gradient descent raises the starved layer's logit

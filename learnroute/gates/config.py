@@ -75,6 +75,11 @@ class TrainConfig:
     )
     gumbel: bool = field(default=False, metadata={"help": "Gumbel-softmax gates (noise drawn per step)"})
     entropy_weight: float = field(default=0.0, metadata={"help": "weight of the mean entropy of π (sharpening)"})
+    uniform_weight: float = field(
+        default=0.0,
+        metadata={"help": "weight of KL(uniform || budget shares) over the free layers: shares stay near "
+                          "uniform unless the task loss pays for leaving it (starved layers overfit a family)"},
+    )
     ce_weight: float = field(default=1.0, metadata={"help": "weight of the reference answer's cross-entropy"})
     kl_weight: float = field(default=0.0, metadata={"help": "weight of KL(full cache || soft route) on answer tokens"})
     first_token_weight: float = field(
@@ -190,7 +195,7 @@ class TrainConfig:
             problems.append(f"eps must be > 0, got {self.eps}")
         if self.ce_weight == 0 and self.kl_weight == 0:
             problems.append("ce_weight and kl_weight are both 0: there is no task loss to train on")
-        for name in ("entropy_weight", "ce_weight", "kl_weight", "first_token_weight", "weight_decay"):
+        for name in ("entropy_weight", "uniform_weight", "ce_weight", "kl_weight", "first_token_weight", "weight_decay"):
             if getattr(self, name) < 0:
                 problems.append(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.select not in SELECT:

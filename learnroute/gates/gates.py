@@ -195,6 +195,13 @@ class Gates(nn.Module):
         per-method ranks are ``ranks`` (L, M, H, n): :func:`route_masks`."""
         return route_masks(route, ranks, self.methods, self.free.tolist())
 
+    def share_divergence(self) -> torch.Tensor:
+        """KL(uniform || shares) over the free layers (nats): 0 for uniform budgets, large
+        when layers are starved (a share near 0 costs ``log(1 / (L·share))``)."""
+        shares = self.shares()[self.free]  # (L_free,)
+        L = shares.shape[0]
+        return (torch.log(torch.tensor(1.0 / L)) - torch.log(shares.clamp_min(1e-30))).mean()
+
     def entropy(self, temperature: float = 1.0) -> torch.Tensor:
         """Mean entropy of π over the free layers (nats); the sharpening term's value."""
         logp = torch.log_softmax(self.theta / temperature, dim=-1)  # (L, M)

@@ -455,6 +455,8 @@ class _Trainer:
             )
             if config.entropy_weight > 0 and self.gates.theta.requires_grad:
                 loss = loss + config.entropy_weight * self.gates.entropy(temp)
+            if config.uniform_weight > 0 and self.gates.beta.requires_grad:
+                loss = loss + config.uniform_weight * self.gates.share_divergence()
             (loss / len(batch)).backward()
             loss_sum += loss.detach()
             ce_sum += ce
