@@ -97,6 +97,12 @@ class StudyConfig:
     )
     main_variant: str = field(default="learned", metadata={"help": "the variant questions 1-5 are asked of"})
     mixture_of: list[str] = field(default_factory=list, metadata={"help": "variants also exported as mixture routes"})
+    seeds: list[int] | None = field(
+        default=None,
+        metadata={"help": "extra optimisation seeds (train_seed) of the main variant: each trained on the same "
+                          "samples, benched as <main>_seed<k>; study.md gives the spread over seeds beside the "
+                          "intervals over samples"},
+    )
     per_budget: bool = field(default=False, metadata={"help": "also train the main variant once per budget (each benched at its own budget only)"})
     placements: int = field(default=20, metadata={"help": "random placements of the main learned route"})
     placement_budget: Budget | None = field(default=None, metadata={"help": "its budget (null = the first budget)"})
@@ -185,6 +191,8 @@ class StudyConfig:
         """Per variant the TrainConfig data: defaults <- ``train`` <- the variant's own keys,
         with the study's model, calibration set, budgets and methods."""
         variants = dict(self.variants)
+        for k in self.seeds or []:
+            variants[f"{self.main_variant}{SEED}{k}"] = {**self.variants.get(self.main_variant, {}), "train_seed": k}
         if self.per_budget:
             for b in self.all_budgets:
                 variants[f"{self.main_variant}@{b}"] = {**self.variants.get(self.main_variant, {}), "budgets": [b]}
@@ -273,6 +281,7 @@ class StudyConfig:
 
 
 CONTROLS = "_controls"  # bench_<protocol>_controls/: pyramid:<best homogeneous method>, run after the bench
+SEED = "_seed"  # <main>_seed<k>: the main variant trained with another optimisation seed
 START = "_start"  # suffix of a variant's untrained start among the routes (the control of question 8)
 
 
@@ -385,7 +394,7 @@ class _Stages:
                 export_cli(run, routes / f"{route_name(name)}.json")
                 if name in self.config.mixture_of:
                     export_cli(run, routes / f"{route_name(name)}_mixture.json", mixture=True)
-                if _warm(data):  # the control: the same variant untrained
+                if _warm(data) and SEED not in name:  # the control: the same variant untrained (once)
                     export_start(run, routes / f"{route_name(name)}{START}.json")
         self.state.wait_for_everyone()
         return routes
@@ -403,7 +412,7 @@ class _Stages:
             specs += [str(prof / f"profile_{pb}.json"), str(prof / f"profile_{pb}_alloc.json")]
         for name, data in variants.items():
             names = [route_name(name)] + ([f"{route_name(name)}_mixture"] if name in config.mixture_of else [])
-            names += [f"{route_name(name)}{START}"] if _warm(data) else []
+            names += [f"{route_name(name)}{START}"] if _warm(data) and SEED not in name else []
             # A variant trained for one budget (per_budget) is benched at that budget only,
             # in the protocols that have that budget.
             pin = ""
@@ -563,8 +572,18 @@ def _answers(config: StudyConfig, rows: list[dict], main: str, budgets: list[Bud
             entry["q6_variants"] = {
                 r: paired(scores[(r, bk)], m, config.bootstrap)
                 for r in routes
-                if r.startswith("learned") and r != main and not r.endswith(START) and (r, bk) in scores
+                if r.startswith("learned") and r != main and not r.endswith(START) and SEED not in r
+                and (r, bk) in scores
             }
+            seeded = [main] + [r for r in routes if r.startswith(main + SEED) and (r, bk) in scores]
+            if len(seeded) > 1:  # the spread over optimisation seeds, beside the intervals over samples
+                means = [avg[r] for r in seeded]
+                entry["seeds"] = {
+                    "routes": {r: avg[r] for r in seeded},
+                    "min": min(means), "max": max(means),
+                    "sd": (sum((x - mean(means)) ** 2 for x in means) / (len(means) - 1)) ** 0.5,
+                    "q1": {r: paired(scores[(r, bk)], scores[(best_h, bk)], config.bootstrap) for r in seeded},
+                }
             entry["best_homogeneous_rel_full"] = h / f if f else None
         # Q8: every learned route minus its own untrained start (learning's credit)
         entry["q8_vs_start"] = {
@@ -769,6 +788,19 @@ def to_markdown(result: dict[str, Any], main: str) -> str:
                 lines.append(f"| {v} | " + " | ".join(_ci(e.get("q6_variants", {}).get(v)) for e in res["budgets"]) + " |")
         if "families" in res:
             lines += ["", *_family_table(res["families"], main)]
+        if any(e.get("seeds") for e in res["budgets"]):
+            lines += ["", f"Training seeds of `{main}` (the same samples and split; each seed's average, "
+                      "its Q1 against the best homogeneous route, and the spread over seeds), x100:", ""]
+            lines.append("| budget | route | average | Q1 - best homog. |")
+            lines.append("|---|---|---|---|")
+            for e in res["budgets"]:
+                sd = e.get("seeds")
+                if not sd:
+                    continue
+                for r, v in sd["routes"].items():
+                    lines.append(f"| {e['budget']} | {r} | {100 * v:.1f} | {_ci(sd['q1'][r])} |")
+                lines.append(f"| {e['budget']} | spread | {100 * sd['min']:.1f}-{100 * sd['max']:.1f} "
+                             f"(sd {100 * sd['sd']:.1f}) | |")
         if any(e.get("q1_vs_pyramid_best") for e in res["budgets"]):
             lines += ["", f"Control: `{main}` minus PyramidKV's allocation over the best homogeneous method "
                       "(paired, x100):", ""]

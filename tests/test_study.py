@@ -32,6 +32,7 @@ def study_config(tmp_path, tiny_dir):
         },
         "mixture_of": ["learned"],
         "per_budget": True,
+        "seeds": [1],  # the main variant once more, with optimisation seed 1
         "profile_all_budgets": True,
         "placement_variant": ["warm", "learned"],
         "placements": 3,
@@ -94,6 +95,19 @@ def test_study_end_to_end_then_nothing_to_redo(tiny_dir, tmp_path, monkeypatch, 
     budgets_only = json.loads((out / "routes" / "learned_budgets_only.json").read_text())
     assert len({layer["method"] for layer in budgets_only["layers"]}) == 1
     assert budgets_only["layers"][0]["method"] in profile["methods"]
+    # training seeds: learned_seed1 on the same samples and split, another optimisation seed
+    seeded = yaml.safe_load((out / "train" / "learned_seed1" / "config.yaml").read_text())
+    base = yaml.safe_load((out / "train" / "learned" / "config.yaml").read_text())
+    assert seeded["train_seed"] == 1 and seeded["seed"] == base["seed"]
+    assert json.loads((out / "train" / "learned_seed1" / "split.json").read_text()) == json.loads(
+        (out / "train" / "learned" / "split.json").read_text())
+    raw0 = [json.loads(line) for line in (out / "bench_agnostic" / "results.jsonl").read_text().splitlines()]
+    for b in result["protocols"]["agnostic"]["budgets"]:
+        sd = b["seeds"]
+        assert set(sd["routes"]) == {"learned", "learned_seed1"} and sd["min"] <= sd["max"]
+        own = [r["score"] for r in raw0 if r["route"].endswith("/learned_seed1.json") and r["budget"] == b["budget"]]
+        assert len(own) == 4 and sd["routes"]["learned_seed1"] == pytest.approx(sum(own) / 4)
+    assert not (out / "routes" / "learned_seed1_start.json").exists()
     # the control (question 8): each warm-started variant's untrained start, benched beside it
     assert not (out / "routes" / "learned_start.json").exists()  # `learned` starts cold: no start to bench
     for b in result["protocols"]["agnostic"]["budgets"]:

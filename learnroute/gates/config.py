@@ -30,6 +30,11 @@ class TrainConfig:
     )
     context_tokens: int = field(default=1024, metadata={"help": "context length of the calibration samples (tokens)"})
     seed: int = field(default=0, metadata={"help": "seed of the calibration sample stream, the split and training"})
+    train_seed: int | None = field(
+        default=None,
+        metadata={"help": "seed of the optimisation alone (batch order, budget draws, Gumbel noise, LoRA init) on "
+                          "the same samples and split; null = seed. Several train_seeds measure a recipe's spread"},
+    )
     val_tasks: dict[str, int] | None = field(
         default=None,
         metadata={"help": "validation samples from these families' calibration split instead of val_fraction of "
@@ -252,3 +257,9 @@ def adapter_problems(config: TrainConfig) -> list[str]:
     if not config.adapter_lr > 0:
         problems.append(f"adapter_lr must be > 0, got {config.adapter_lr}")
     return problems
+
+
+def optimisation_seed(config: TrainConfig) -> int:
+    """The seed of the optimisation: ``train_seed``, or ``seed`` when it is null."""
+    return config.seed if config.train_seed is None else config.train_seed
+

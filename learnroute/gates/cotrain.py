@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from learnroute import adapter as _adapter
-from learnroute.gates.config import TrainConfig
+from learnroute.gates.config import TrainConfig, optimisation_seed
 from learnroute.gates.gates import Gates
 from learnroute.route import LayerRoute, Route, RouteError
 
@@ -81,7 +81,7 @@ class AdapterTraining:
         self.model = model
         self.adapter = _adapter.Adapter.new(config.lora_rank, config.lora_alpha, config.lora_targets, model_name)
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(config.seed)  # peft's LoRA init (A random, B = 0): the same on every run
+            torch.manual_seed(optimisation_seed(config))  # peft's LoRA init (A random, B = 0): the same on every run
             _adapter.attach(model, self.adapter, model_name)
         self.named = _adapter.trainable_params(model, self.adapter)  # key -> live parameter
         self.params = list(self.named.values())

@@ -42,7 +42,7 @@ import torch
 
 from learnroute.gates import cotrain
 from learnroute.gates.checkpoint import checkpoint_meta, latest_checkpoint, load_gates, save_gates
-from learnroute.gates.config import CANDIDATES, SELECT, TrainConfig
+from learnroute.gates.config import CANDIDATES, SELECT, TrainConfig, optimisation_seed
 from learnroute.gates.gates import Gates
 from learnroute.gates.start import init_from, build_gates
 from learnroute.methods.budgets import Budget, mean_tokens
@@ -441,7 +441,7 @@ class _Trainer:
         """One optimiser step on a batch drawn from the step's seed (resume is exact).
         Each process computes the batch members it prefilled; gradients are summed."""
         config, acc = self.run.config, self.run.acc
-        rng = torch.Generator().manual_seed(config.seed * 1_000_003 + step)
+        rng = torch.Generator().manual_seed(optimisation_seed(config) * 1_000_003 + step)
         batch, local = self.batch(step, rng)
         budget = config.budgets[int(torch.randint(len(config.budgets), (1,), generator=rng))]
         temp = anneal(config.gate_temperature, step, config.steps)
