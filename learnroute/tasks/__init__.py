@@ -24,6 +24,7 @@ from learnroute.tasks.metrics import (
     string_match_part,
 )
 from learnroute.tasks.ruler import SPLITS, TASKS, Sample, make_sample, make_samples
+from learnroute.tasks import families as _families  # noqa: F401  (registers its tasks in TASKS)
 
 __all__ = [
     "LONGBENCH_TASKS",

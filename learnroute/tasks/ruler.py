@@ -329,12 +329,8 @@ METRIC = {"multihop_qa": "string_match_part"}
 MAX_NEW_TOKENS = {"variable_tracking": 30, "common_words": 120, "frequent_words": 50, "multihop_qa": 32}
 NIAH_MAX_NEW_TOKENS = 128
 
-# Families beyond needle retrieval (JSON key-value, code, fact sheet, in-context labels).
-from learnroute.tasks.families import FAMILIES, FAMILY_MAX_NEW_TOKENS, FAMILY_METRIC  # noqa: E402
-
-TASKS.update(FAMILIES)
-METRIC.update(FAMILY_METRIC)
-MAX_NEW_TOKENS.update(FAMILY_MAX_NEW_TOKENS)
+# The families beyond needle retrieval (learnroute.tasks.families) add themselves to TASKS,
+# METRIC and MAX_NEW_TOKENS when the package loads (it imports them): imports go one way.
 
 
 def make_sample(task: str, tokenizer, n_tokens: int, split: str, seed: int, index: int) -> Sample:
