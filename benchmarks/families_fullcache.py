@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from learnroute import _hf
 from learnroute.engine import Engine
 from learnroute.models import load_model, model_name
 from learnroute.route import Route
@@ -43,7 +44,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     model, tokenizer = load_model(args.model) if args.model else load_model()
-    n_layers = model.config.num_hidden_layers
+    n_layers = len(_hf.attention_modules(model))
     engine = Engine(model, tokenizer)
     full = Route.full(n_layers, model=model_name(model))
     rows = []
