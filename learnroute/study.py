@@ -862,7 +862,7 @@ def summary_table(result: dict[str, Any]) -> str:
              "|---|---|---|---|---|---|---|"]
     main = route_name(result["config"].get("main_variant", "learned"))
     rows = [(protocol, res) for protocol, whole in result["protocols"].items()
-            for protocol, res in [(protocol, whole)] + [(f"{protocol}, {k}-family", v)
+            for protocol, res in [(protocol, whole)] + [(f"{protocol}, {'in-family' if k == 'in' else 'out-of-family'}", v)
                                                         for k, v in whole.get("families", {}).items()]]
     for label, res in rows:
         for e in res["budgets"]:
