@@ -425,32 +425,36 @@ class _Stages:
 
     def bench(self, protocol: str, variants: dict[str, dict[str, Any]], routes: Path) -> None:
         """4. Eval samples, one protocol at its own budgets (bench skips finished samples)."""
-        from learnroute.bench import BenchConfig, run_bench
+        from learnroute.bench import run_bench
+
+        self.log(f"stage 4/5: bench ({protocol}) on eval samples")
+        run_bench(self.bench_config(protocol, self.bench_routes(protocol, variants, routes), f"bench_{protocol}"))
+        self.pyramid_control(protocol)
+
+    def bench_config(self, protocol: str, routes: list[str], folder: str):
+        """A bench of ``routes`` on the study's eval samples, at the protocol's budgets, into ``folder``."""
+        from learnroute.bench import BenchConfig
 
         config = self.config
-        self.log(f"stage 4/5: bench ({protocol}) on eval samples")
-        run_bench(
-            BenchConfig(
-                model=config.model,
-                tasks=dict(config.eval_tasks),
-                context_tokens=config.context_tokens,
-                budgets=config.protocol_budgets(protocol),
-                routes=self.bench_routes(protocol, variants, routes),
-                query_aware=protocol == "aware",
-                seed=config.eval_seed,
-                max_new_tokens=config.max_new_tokens,
-                stop_at_final_score=config.stop_at_final_score,
-                device=config.device,
-                output=str(self.out / f"bench_{protocol}"),
-            )
+        return BenchConfig(
+            model=config.model,
+            tasks=dict(config.eval_tasks),
+            context_tokens=config.context_tokens,
+            budgets=config.protocol_budgets(protocol),
+            routes=routes,
+            query_aware=protocol == "aware",
+            seed=config.eval_seed,
+            max_new_tokens=config.max_new_tokens,
+            stop_at_final_score=config.stop_at_final_score,
+            device=config.device,
+            output=str(self.out / folder),
         )
-        self.pyramid_control(protocol)
 
     def pyramid_control(self, protocol: str) -> None:
         """4b. The control ``pyramid:<best method>``: PyramidKV's allocation over the method
         whose homogeneous route did best at each budget (known only once the bench has
         run), on the same eval samples, into ``bench_<protocol>_controls/``."""
-        from learnroute.bench import BenchConfig, run_bench
+        from learnroute.bench import run_bench
         from learnroute.summary import load_rows
 
         config = self.config
@@ -461,21 +465,7 @@ class _Stages:
         if not todo:
             return
         self.log(f"stage 4/5: bench ({protocol}) of the control {', '.join(todo)}")
-        run_bench(
-            BenchConfig(
-                model=config.model,
-                tasks=dict(config.eval_tasks),
-                context_tokens=config.context_tokens,
-                budgets=config.protocol_budgets(protocol),
-                routes=todo,
-                query_aware=protocol == "aware",
-                seed=config.eval_seed,
-                max_new_tokens=config.max_new_tokens,
-                stop_at_final_score=config.stop_at_final_score,
-                device=config.device,
-                output=str(self.out / f"bench_{protocol}{CONTROLS}"),
-            )
-        )
+        run_bench(self.bench_config(protocol, todo, f"bench_{protocol}{CONTROLS}"))
 
     def placement(self, routes: Path) -> None:
         """5. The chosen variant's route (query-agnostic, at one budget) among random
@@ -861,9 +851,11 @@ def summary_table(result: dict[str, Any]) -> str:
              "| Q5 gap recovered |",
              "|---|---|---|---|---|---|---|"]
     main = route_name(result["config"].get("main_variant", "learned"))
-    rows = [(protocol, res) for protocol, whole in result["protocols"].items()
-            for protocol, res in [(protocol, whole)] + [(f"{protocol}, {'in-family' if k == 'in' else 'out-of-family'}", v)
-                                                        for k, v in whole.get("families", {}).items()]]
+    family_label = {"in": "in-family", "out": "out-of-family"}
+    rows = []  # (label, answers): every eval task, then each family split
+    for protocol, whole in result["protocols"].items():
+        rows.append((protocol, whole))
+        rows += [(f"{protocol}, {family_label[k]}", v) for k, v in whole.get("families", {}).items()]
     for label, res in rows:
         for e in res["budgets"]:
             q3 = e.get("q3_tasks")

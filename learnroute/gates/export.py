@@ -147,6 +147,17 @@ def resolve_source(source: str | Path) -> tuple[Path | None, Path]:
     return src, run
 
 
+def load_run(source: str | Path) -> tuple[Path, Path, TrainConfig]:
+    """(checkpoint, run folder, its training config) for a run folder or a checkpoint in one;
+    a run folder gives the checkpoint its own ``select`` exported (:func:`chosen_checkpoint`)."""
+    ckpt, run = resolve_source(source)
+    cfg_path = run / "config.yaml"
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{cfg_path} not found: a checkpoint must sit in its train run folder")
+    config = from_dict(TrainConfig, yaml.safe_load(cfg_path.read_text()) or {})
+    return ckpt or chosen_checkpoint(run, config.select), run, config
+
+
 def export_cli(
     source: str | Path,
     out: str | Path,
@@ -157,12 +168,7 @@ def export_cli(
     model: str | None = None,
 ) -> Route:
     """Load the run's config and checkpoint, check them against each other, write the route."""
-    ckpt, run = resolve_source(source)
-    cfg_path = run / "config.yaml"
-    if not cfg_path.is_file():
-        raise FileNotFoundError(f"{cfg_path} not found: a checkpoint must sit in its train run folder")
-    config = from_dict(TrainConfig, yaml.safe_load(cfg_path.read_text()) or {})
-    ckpt = ckpt or chosen_checkpoint(run, config.select)
+    ckpt, run, config = load_run(source)
     b = None if budget is None else parse_budget(budget)
     if temperature is not None and not temperature > 0:
         raise ValueError(f"--temperature must be > 0, got {temperature}")
@@ -179,18 +185,11 @@ def export_cli(
     return route
 
 
-def has_start(config: TrainConfig) -> bool:
-    """Does the run start from a route or a method (a warm start worth benching untrained)?"""
-    return config.init_route is not None or config.init_method is not None
-
-
 def export_start(source: str | Path, out: str | Path) -> Route:
     """The untrained start of a train run: its initial gates (:func:`learnroute.gates.start.build_gates`),
     hardened and exported exactly as its trained route is (at the first training budget, no
     adapter). Bench it beside the trained route: a gain is credited to learning only over it."""
-    ckpt, run = resolve_source(source)
-    config = from_dict(TrainConfig, yaml.safe_load((run / "config.yaml").read_text()) or {})
-    ckpt = ckpt or chosen_checkpoint(run, config.select)
+    ckpt, run, config = load_run(source)
     tensors, meta = load_gates(ckpt, methods=config.methods)
     n_layers = int(meta["n_layers"])
     gates = build_gates(config, n_layers, [bool(x) for x in tensors["free"].tolist()])
