@@ -251,6 +251,12 @@ def sinkhorn_topk(
     """
     if init not in ("sigmoid", "zero"):
         raise ValueError(f"init must be 'sigmoid' or 'zero', got {init!r}")
+    # The iterations run in float64 whatever the input (as sigmoid_topk's threshold search
+    # does): in float32 at tau ~ 1e-4, each logsumexp's rounding (~2e-7 on duals of ~2) is
+    # magnified by 1/eps in the mask, and sums missed k by 3e-5 · k (found by a hypothesis
+    # test). Autograd flows through the casts; the mask comes back in the input's dtype.
+    dtype = scores.dtype
+    scores = scores.double() if scores.is_floating_point() else scores  # integers: refused below
     k_t = _row_param(k, scores, "k")  # (...,)
     tau_t = _row_param(tau, scores, "tau")  # (...,)
     _check_inputs(scores, tau_t)
@@ -291,7 +297,7 @@ def sinkhorn_topk(
     # by construction; the column marginal (the sum) is exact up to the Sinkhorn residual.
     mask = torch.softmax((g.unsqueeze(-2) - cost) / eps, dim=-1)[..., 1]  # (..., n)
     full = (k_c >= n).unsqueeze(-1).to(mask.dtype).expand_as(mask)
-    return torch.where(interior.unsqueeze(-1), mask, full)
+    return torch.where(interior.unsqueeze(-1), mask, full).to(dtype)
 
 
 # --------------------------------------------------------------------------------------------
