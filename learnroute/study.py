@@ -28,7 +28,7 @@ from typing import Any
 from learnroute.config import ConfigError, from_dict, to_dict
 from learnroute.gates.config import CANDIDATES, TrainConfig
 from learnroute.route import Route, budget_problem
-from learnroute.runs import device_problem
+from learnroute.runs import atomic_write, device_problem
 from learnroute.stats import VALID_FULL, best_homogeneous, paired, sample_scores, solved_tasks
 from learnroute.tasks.suite import check_tasks
 
@@ -283,6 +283,13 @@ class StudyConfig:
 CONTROLS = "_controls"  # bench_<protocol>_controls/: pyramid:<best homogeneous method>, run after the bench
 SEED = "_seed"  # <main>_seed<k>: the main variant trained with another optimisation seed
 START = "_start"  # suffix of a variant's untrained start among the routes (the control of question 8)
+SHARED_STARTS = "shared_starts.json"  # routes/: {start: the identical start benched in its place}
+
+
+def shared_starts(routes: Path) -> dict[str, str]:
+    """The starts not benched because an identical one is (none in studies made before it)."""
+    path = Path(routes) / SHARED_STARTS
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def _warm(variant: dict[str, Any]) -> bool:
@@ -389,13 +396,24 @@ class _Stages:
         routes = self.out / "routes"
         if self.first:
             routes.mkdir(exist_ok=True)
+            shared: dict[str, str] = {}  # start -> an identical earlier start, benched in its place
+            starts: list[tuple[str, Route]] = []
             for name, data in variants.items():
                 run = Path(data["output"])
                 export_cli(run, routes / f"{route_name(name)}.json")
                 if name in self.config.mixture_of:
                     export_cli(run, routes / f"{route_name(name)}_mixture.json", mixture=True)
                 if _warm(data) and SEED not in name:  # the control: the same variant untrained (once)
-                    export_start(run, routes / f"{route_name(name)}{START}.json")
+                    start = f"{route_name(name)}{START}"
+                    route = export_start(run, routes / f"{start}.json")
+                    # Variants that differ only in training (a penalty, a floor, a stream) share
+                    # one start: bench it once, answer each variant's question 8 against it.
+                    same = next((n for n, r in starts if r.layers == route.layers and r.model == route.model), None)
+                    if same is None:
+                        starts.append((start, route))
+                    else:
+                        shared[start] = same
+            atomic_write(routes / SHARED_STARTS, json.dumps(shared, indent=1) + "\n")
         self.state.wait_for_everyone()
         return routes
 
@@ -404,6 +422,7 @@ class _Stages:
         every variant's routes (a variant trained for one budget at that budget only)."""
         config, prof = self.config, self.out / "profile"
         budgets = config.protocol_budgets(protocol)
+        shared = shared_starts(routes)
         specs = ["full"] + [f"homogeneous:{m}" for m in config.methods] + [f"pyramid:{m}" for m in config.pyramid]
         if config.profile_all_budgets:  # each budget's profile routes at that budget only
             specs += [str(prof / f"profile_{b}{s}.json@{b}") for b in budgets for s in ("", "_alloc")]
@@ -412,7 +431,8 @@ class _Stages:
             specs += [str(prof / f"profile_{pb}.json"), str(prof / f"profile_{pb}_alloc.json")]
         for name, data in variants.items():
             names = [route_name(name)] + ([f"{route_name(name)}_mixture"] if name in config.mixture_of else [])
-            names += [f"{route_name(name)}{START}"] if _warm(data) and SEED not in name else []
+            start = f"{route_name(name)}{START}"
+            names += [start] if _warm(data) and SEED not in name and start not in shared else []
             # A variant trained for one budget (per_budget) is benched at that budget only,
             # in the protocols that have that budget.
             pin = ""
@@ -598,7 +618,6 @@ def analyze(folder: str | Path, rescore: bool = False) -> dict[str, Any]:
     import yaml
 
     from learnroute.summary import load_rows
-    from learnroute.runs import atomic_write
 
     folder = Path(folder)
     config = from_dict(StudyConfig, yaml.safe_load((folder / "config.yaml").read_text()) or {})
@@ -616,6 +635,8 @@ def analyze(folder: str | Path, rescore: bool = False) -> dict[str, Any]:
             r["route"] = _label(r["route"])
             if r["route"] == f"{main}_at_{r['budget']}":  # the per-budget routes, one row in the tables
                 r["route"] = f"{main}_per_budget"
+        aliases = shared_starts(folder / "routes")  # a shared start answers for every variant it starts
+        rows += [{**r, "route": alias} for alias, same in aliases.items() for r in rows if r["route"] == same]
         answers = _answers(config, rows, main, config.protocol_budgets(protocol))
         # In-family (eval tasks that calibrated the routes) and out-of-family (tasks they
         # never saw), side by side with the same questions and intervals.

@@ -114,6 +114,20 @@ def test_study_end_to_end_then_nothing_to_redo(tiny_dir, tmp_path, monkeypatch, 
         assert set(b["q8_vs_start"]) == {"learned_budgets_only", "learned_warm", "learned_homog_adapter"}
     start = json.loads((out / "routes" / "learned_budgets_only_start.json").read_text())
     assert start["provenance"]["source"] == "start"
+    # the adapter variant's start (the profile's best method, uniform budgets, no adapter) is
+    # the budgets-only variant's: benched once, answering both variants' question 8
+    assert json.loads((out / "routes" / "shared_starts.json").read_text()) == {
+        "learned_homog_adapter_start": "learned_budgets_only_start"}
+    assert json.loads((out / "routes" / "learned_homog_adapter_start.json").read_text())["layers"] == start["layers"]
+    raw_all = [json.loads(line) for line in (out / "bench_agnostic" / "results.jsonl").read_text().splitlines()]
+    assert not any(r["route"].endswith("learned_homog_adapter_start.json") for r in raw_all)
+    from learnroute.stats import paired
+    for b in result["protocols"]["agnostic"]["budgets"]:
+        def own(stem):
+            return {r["sample_id"]: r["score"] for r in raw_all
+                    if r["route"].endswith(f"/{stem}.json") and r["budget"] == b["budget"]}
+        want = paired(own("learned_homog_adapter"), own("learned_budgets_only_start"), 200)
+        assert want["n"] == 4 and b["q8_vs_start"]["learned_homog_adapter"]["diff"] == pytest.approx(want["diff"])
     # budgets only from @profile_best: untrained, that is the homogeneous route of that method,
     # so both decode the same answers on every eval sample
     method = budgets_only["layers"][0]["method"]

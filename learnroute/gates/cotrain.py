@@ -64,8 +64,10 @@ class FixedGates(Gates):
         self.route = route
 
     def harden(self, budget, context_tokens: int, model: str | None = None) -> Route:
-        """The fixed route at mean ``budget`` over the free layers."""
-        return self.route.rescaled(budget, self.free.tolist())
+        """The fixed route at mean ``budget`` over the free layers, naming ``model`` as
+        :meth:`Gates.harden` does (a route made from a method alone names none)."""
+        route = self.route.rescaled(budget, self.free.tolist())
+        return route if model is None else Route(route.layers, model=model, provenance=route.provenance)
 
 def build_fixed_gates(config: TrainConfig, model: str | None, n_layers: int, free: list[bool]) -> FixedGates:
     return FixedGates(config.methods, free, fixed_route(config, model, n_layers), config.budget_floor)
