@@ -104,11 +104,13 @@ class RouteResult:
     route: Route
     answer: str
     token_ids: list[int]
-    kept_per_layer: list[int]  # tokens kept per KV head, per layer
-    kv_bytes: int  # bytes of keys + values kept for the context
+    kept_per_layer: list[int]  # tokens kept per KV head, per layer (per-head layers: their most-keeping head)
+    kv_bytes: int  # bytes of keys + values kept for the context (what the route asks for)
     full_kv_bytes: int
     first_logits: torch.Tensor | None = None  # (vocab,) logits of the first answer token
     seconds: float = 0.0  # this route's share of the batched decode
+    kept_per_head: list[tuple[int, ...]] | None = None  # per layer, per KV head (per-head routes)
+    allocated_kv_bytes: int | None = None  # bytes the route's own cache occupies, per-head padding included
 
     @property
     def kv_fraction(self) -> float:
@@ -198,6 +200,7 @@ class Engine:
         self._methods: dict[str, Method] = {}
         self._adapters: dict[Path, _adapter.Adapter] = {}
         self.n_layers = len(_hf.attention_modules(model))
+        self.n_kv_heads = _hf.kv_heads(model)
         self._local = _hf.local_attention_layers(model)  # never compressed (Gemma3's local layers)
         # Parked rows are re-laid out from plain buffers, which sliding-window caches are not.
         self._windowed = any(_hf.windowed_layers(model))
@@ -229,6 +232,7 @@ class Engine:
             raise ValueError("no routes to evaluate")
         for route in routes:
             route.check_layers(self.n_layers)
+            route.check_heads(self.n_kv_heads)
             self.adapter(route)
             if n_tokens is None:
                 continue
@@ -320,11 +324,19 @@ class Engine:
         ``layer_tokens`` (:attr:`Prefill.layer_tokens`; their window, when the context is
         longer). So does any layer whose cache holds fewer tokens than the context.
         """
+        return [max(heads) for heads in self.kept_head_counts(route, n_tokens, layer_tokens)]
+
+    def kept_head_counts(self, route: Route, n_tokens: int, layer_tokens: list[int] | None = None) -> list[tuple[int, ...]]:
+        """Tokens kept by each KV head in each layer (:meth:`kept_counts`, per head): the
+        heads of a per-head layer keep their own budgets."""
         counts = []
         for layer, e in enumerate(route.layers):
             held = n_tokens if layer_tokens is None else layer_tokens[layer]
             fixed = self.is_fixed(layer, held, n_tokens)
-            counts.append(kept_count(e.budget, n_tokens, keeps_all=self.method(e.method).keeps_all, fixed=fixed, held=held))
+            counts.append(tuple(
+                kept_count(h.budget, n_tokens, keeps_all=self.method(h.method).keeps_all, fixed=fixed, held=held)
+                for h in e.head_entries(self.n_kv_heads)
+            ))
         return counts
 
     def compress(
@@ -332,29 +344,40 @@ class Engine:
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-layer kept keys/values for a batch of same-shape routes: (R, H_kv, k_l, d) each.
 
-        ``counts`` (per route, per layer) skips recomputing :meth:`kept_counts`.
+        ``counts`` (per route, per layer) skips recomputing :meth:`kept_counts`. A per-head
+        route whose heads keep different counts is refused: plain tensors cannot say which
+        slots are padding (:meth:`answer` decodes it with the padding masked).
         """
-        counts = counts or [self.kept_counts(r, prefill.n_tokens, prefill.layer_tokens) for r in routes]
-        return self._kept_kv(prefill, routes, counts)
+        if counts is None:
+            heads = [self.kept_head_counts(r, prefill.n_tokens, prefill.layer_tokens) for r in routes]
+        else:
+            heads = [[(k,) * self.n_kv_heads for k in c] for c in counts]
+        if any(min(c) != max(c) for per_route in heads for c in per_route) or (
+            counts is not None and any(r.is_per_head for r in routes)
+        ):
+            raise ValueError("compress: a per-head route whose heads keep different counts has padded heads; "
+                             "decode it with Engine.answer, which masks the padding")
+        return self._kept_kv(prefill, routes, heads)
 
     def _kept_kv(
         self,
         prefill: Prefill,
         routes: list[Route],
-        counts: list[list[int]],
+        heads: list[list[tuple[int, ...]]],
         extra: int = 0,
         workspace: torch.Tensor | None = None,
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer (R, H_kv, k_l + extra, d) keys and values whose first k_l slots hold each
-        route's kept tokens (k_l: the most any route keeps there; a route that keeps fewer
-        leaves padding after its own); carved one after another from ``workspace`` if given."""
+        """Per layer (R, H_kv, k_l + extra, d) keys and values whose first slots hold each
+        route's kept tokens, per KV head (``heads``: per route, per layer, per head; k_l: the
+        most any route's head keeps there; a head that keeps fewer leaves padding after its
+        own); carved one after another from ``workspace`` if given."""
         offset, kv = 0, []
         for layer in range(len(prefill.layers)):
             out = None if workspace is None else workspace[offset:]
-            longest = max(c[layer] for c in counts)
+            longest = max(max(c[layer]) for c in heads)
             k, v = self._empty_kv(prefill, layer, len(routes), longest + extra, out)
             offset += k.numel() + v.numel()
-            self._gather_into(prefill, routes, counts, layer, k, v)
+            self._gather_into(prefill, routes, heads, layer, k, v)
             kv.append((k, v))
         return kv
 
@@ -369,20 +392,33 @@ class Engine:
         v = out[rows * h * length * d : rows * h * length * (d + dv)].view(rows, h, length, dv)
         return k, v
 
+    def _layer_indices(self, prefill: Prefill, route: Route, layer: int, kept: tuple[int, ...]) -> torch.Tensor:
+        """Kept positions (1, H_kv, max(kept)) of one route at ``layer``; a per-head layer's
+        heads select on their own (each head's own method and count: its row of that
+        method's selection at that count), the shorter padded with position 0."""
+        entry = route.layers[layer]
+        if entry.heads is None:
+            return self.kept_indices(prefill, layer, entry.method, kept[0], entry.mixture)  # (1, H_kv, k)
+        longest = max(kept)
+        rows = []
+        for h, (head, k) in enumerate(zip(entry.heads, kept)):
+            idx = self.kept_indices(prefill, layer, head.method, k, head.mixture)[:, h]  # (1, k_h)
+            rows.append(torch.nn.functional.pad(idx, (0, longest - idx.shape[-1])))  # (1, longest)
+        return torch.stack(rows, dim=1)  # (1, H_kv, longest)
+
     def _gather_into(
-        self, prefill: Prefill, routes: list[Route], counts: list[list[int]], layer: int, k: torch.Tensor, v: torch.Tensor
+        self, prefill: Prefill, routes: list[Route], heads: list[list[tuple[int, ...]]], layer: int,
+        k: torch.Tensor, v: torch.Tensor,
     ) -> None:
         """Write each route's kept keys/values at ``layer`` into the first slots of ``k``/``v``.
 
-        A route that keeps fewer tokens than the longest gets copies of position 0 in its
-        padding slots: any real key would do, attention never sees them.
+        A route (or KV head) that keeps fewer tokens than the longest gets copies of
+        position 0 in its padding slots: any real key would do, attention never sees them.
         """
         cap = prefill.layers[layer]
         _, h, n, d = cap.keys.shape
-        parts = [
-            self.kept_indices(prefill, layer, route.layers[layer].method, kept[layer], route.layers[layer].mixture)
-            for route, kept in zip(routes, counts)
-        ]  # (1, H_kv, k_r) each
+        parts = [self._layer_indices(prefill, route, layer, kept[layer]) for route, kept in zip(routes, heads)]
+        # (1, H_kv, k_r) each
         longest = max(p.shape[-1] for p in parts)
         idx = torch.cat([
             p if p.shape[-1] == longest else torch.nn.functional.pad(p, (0, longest - p.shape[-1]))
@@ -395,18 +431,25 @@ class Engine:
         dv = cap.values.shape[-1]
         torch.gather(cap.values.expand(r, h, n, dv), 2, idx.unsqueeze(-1).expand(-1, -1, -1, dv), out=v[:, :, :kept])
 
-    def _decode_cache(self, prefill: Prefill, routes: list[Route], counts: list[list[int]], extra: int, workspace):
-        """A cache for ``routes`` (kept ``counts`` per route, per layer) with room for
-        ``extra`` tokens per layer; where routes keep different counts in a layer, its rows
-        are padded to the longest and the padding is recorded for masking.
+    def _decode_cache(self, prefill: Prefill, routes: list[Route], heads: list[list[tuple[int, ...]]], extra: int,
+                      workspace):
+        """A cache for ``routes`` (kept ``heads`` per route, per layer, per KV head) with room
+        for ``extra`` tokens per layer; where routes (or a route's heads) keep different counts
+        in a layer, its rows are padded to the longest and the padding is recorded for
+        masking: per row, or per (row, KV head) where a row's heads differ.
 
         Buffers are carved from ``workspace`` (a flat tensor reused by every batch of one
         :meth:`answer` call: fresh multi-MB allocations page-fault, which on a CPU VM can
         cost more than filling them).
         """
-        buffers = self._kept_kv(prefill, routes, counts, extra, workspace)
-        per_layer = list(zip(*counts))  # one layer's count per route
-        valid = [row_lengths(c, self.model.device) for c in per_layer]
+        buffers = self._kept_kv(prefill, routes, heads, extra, workspace)
+        counts = [[max(c) for c in per_route] for per_route in heads]
+        valid = []
+        for layer, per_row in enumerate(zip(*heads)):  # one layer's head counts per route
+            if all(min(c) == max(c) for c in per_row):
+                valid.append(row_lengths([c[0] for c in per_row], self.model.device))
+            else:
+                valid.append(torch.tensor(per_row, dtype=torch.long, device=self.model.device))  # (R, H_kv)
         return _hf.cache_from_buffers(self.model, buffers, padded_shape(counts), valid)
 
     # ------------------------------------------------------------------ decode
@@ -610,12 +653,14 @@ class Engine:
         # left in every layer (a sliding-window layer holds its window only).
         per_row = cap0.keys.shape[1] * (cap0.keys.shape[-1] + cap0.values.shape[-1])  # elements per kept token
         per_token = per_row * cap0.keys.element_size()
+        per_head_token = per_token // cap0.keys.shape[1]  # one KV head's key + value
         full_bytes = per_token * sum(prefill.layer_tokens)
         # Batches share the model's weights, so one adapter each; within an adapter, routes
         # of similar kept counts share a batch (pack_batches).
         by_adapter: dict[Path | None, list[int]] = defaultdict(list)
         adapters: dict[Path | None, _adapter.Adapter | None] = {}
-        counts = [self.kept_counts(route, n, prefill.layer_tokens) for route in routes]
+        heads = [self.kept_head_counts(route, n, prefill.layer_tokens) for route in routes]
+        counts = [[max(c) for c in per_route] for per_route in heads]  # what each route's cache holds per layer
         for i, route in enumerate(routes):
             found = self.adapter(route)
             key = None if found is None else route.adapter_path.resolve()
@@ -635,7 +680,10 @@ class Engine:
         )
         # Park unfinished rows after park_after tokens and finish them together (see _resume):
         # a batch's last few long answers would otherwise step on alone, batch by batch.
-        park = self.park_after if len(batches) > 1 and not self._windowed else None
+        # Parked rows are re-laid out per row; rows whose heads keep different counts are not
+        # (their per-head padding would have to travel with them): they decode in their batch.
+        uneven = any(min(c) != max(c) for per_route in heads for c in per_route)
+        park = self.park_after if len(batches) > 1 and not self._windowed and not uneven else None
         stop_ids = tuple(stop_token_ids)
         tokens: list[list[int]] = [[] for _ in routes]
         logits: list[torch.Tensor | None] = [None] * len(routes)
@@ -650,7 +698,7 @@ class Engine:
             for key, batch in batches:
                 with _adapter.using(self.model, adapters[key]):
                     t0 = time.perf_counter()
-                    cache = self._decode_cache(prefill, [routes[i] for i in batch], [counts[i] for i in batch],
+                    cache = self._decode_cache(prefill, [routes[i] for i in batch], [heads[i] for i in batch],
                                                extra, workspace)
                     done_if = None if until is None else (lambda r, toks: ended(toks))
                     rows, first, left = self._decode(
@@ -681,10 +729,12 @@ class Engine:
                 answer=self.tokenizer.decode(tokens[i], skip_special_tokens=True),
                 token_ids=tokens[i],
                 kept_per_layer=counts[i],
-                kv_bytes=per_token * sum(counts[i]),
+                kv_bytes=per_head_token * sum(sum(c) for c in heads[i]),
                 full_kv_bytes=full_bytes,
                 first_logits=logits[i],
                 seconds=seconds[i],
+                kept_per_head=heads[i] if route.is_per_head else None,
+                allocated_kv_bytes=per_token * sum(counts[i]),
             )
             for i, route in enumerate(routes)
         ]

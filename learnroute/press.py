@@ -17,7 +17,7 @@ from learnroute import adapter as _adapter
 from learnroute.methods.base import Method
 from learnroute.methods.select import kept_count, select
 from learnroute.methods.registry import get_method
-from learnroute.route import Route
+from learnroute.route import Route, RouteError
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +57,9 @@ class RoutedPress(BasePress):
     method_options: dict[str, dict] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.route.is_per_head:  # refused here, before the pipeline runs a forward
+            raise RouteError("RoutedPress does not run per-head routes yet (the engine does: learnroute bench); "
+                             "give it a route whose layer entries hold for every head")
         names = {m for e in self.route.layers for m in e.methods}  # mixture layers need every component
         self._methods: dict[str, Method] = {name: get_method(name, **self.method_options.get(name, {})) for name in names}
         # A missing or malformed adapter folder is refused here, before any forward.

@@ -1,13 +1,20 @@
 """Route: per layer, which method scores the cache and how many tokens per KV head it keeps.
 
-JSON form (``schema`` ``learnroute.route/1``)::
+JSON form (``schema`` ``learnroute.route/2``; version 1 files, without ``heads``, read
+the same)::
 
-    {"schema": "learnroute.route/1", "model": "SmolLM2-135M-Instruct", "n_layers": 30,
-     "layers": [{"layer": 0, "method": "snapkv", "budget": 128}, ...],
+    {"schema": "learnroute.route/2", "model": "SmolLM2-135M-Instruct", "n_layers": 30,
+     "layers": [{"layer": 0, "method": "snapkv", "budget": 128},
+                {"layer": 1, "heads": [{"method": "tova", "budget": 200},
+                                       {"method": "snapkv", "budget": 40},
+                                       {"method": "snapkv", "budget": 144}]}, ...],
      "provenance": {"source": "homogeneous", ...}}
 
 A budget is an int >= 1 (tokens per KV head) or a float in (0, 1] (fraction of the
-context, resolved per sample).
+context, resolved per sample). A layer entry either holds for every KV head of the layer
+(``method`` and ``budget``) or gives one entry per KV head (``heads``, each with its own
+method, budget and optional mixture): a per-head layer. Every per-head layer of a route
+has the same number of heads, the model's KV heads.
 
 ``provenance["adapter"]`` (optional) names a decode-time LoRA adapter folder
 (:mod:`learnroute.adapter`) that runs with the route: a path relative to the route file
@@ -28,7 +35,8 @@ from typing import Any
 from learnroute.methods.budgets import allocate, rescale_budgets
 from learnroute.methods.registry import METHODS
 
-SCHEMA = "learnroute.route/1"
+SCHEMA = "learnroute.route/2"
+READABLE = ("learnroute.route/1", SCHEMA)  # version 1: per-layer entries only
 Budget = int | float
 
 
@@ -75,11 +83,41 @@ class LayerRoute:
     method: str
     budget: Budget
     mixture: tuple[tuple[str, float], ...] | None = None
+    # One entry per KV head (each without heads of its own), or None: every head alike.
+    heads: tuple[LayerRoute, ...] | None = None
+
+    @classmethod
+    def per_head(cls, heads: list[LayerRoute] | tuple[LayerRoute, ...]) -> LayerRoute:
+        """A layer whose KV heads each have their own entry. ``method`` (the heads' most
+        common method, the earliest head's among ties) and ``budget`` (their mean: a
+        fraction, or tokens rounded) summarise it for per-layer readers (tables, plots);
+        the engine keeps each head's own."""
+        heads = tuple(heads)
+        if not heads:
+            raise RouteError("a per-head layer needs at least one head")
+        counts = Counter(h.method for h in heads)
+        method = max(counts, key=lambda m: (counts[m], -[h.method for h in heads].index(m)))
+        budgets = [h.budget for h in heads]
+        mean = sum(budgets) / len(budgets)
+        budget = mean if any(isinstance(b, float) for b in budgets) else max(1, round(mean))
+        return cls(method, budget, None, heads)
 
     @property
     def methods(self) -> list[str]:
         """Every method this layer needs scores of."""
+        if self.heads is not None:
+            return list(dict.fromkeys(m for h in self.heads for m in h.methods))
         return [m for m, _ in self.mixture] if self.mixture else [self.method]
+
+    def head_entries(self, n_heads: int) -> tuple[LayerRoute, ...]:
+        """The entry of each of ``n_heads`` KV heads (this entry for each, unless per-head)."""
+        return self.heads if self.heads is not None else (self,) * n_heads
+
+    def hardened(self) -> LayerRoute:
+        """The entry with mixtures replaced by their heaviest method (per head too)."""
+        if self.heads is not None:
+            return LayerRoute.per_head([h.hardened() for h in self.heads])
+        return LayerRoute(self.method, self.budget)
 
 
 def mixture_problems(mixture: Any, method: str | None = None) -> list[str]:
@@ -101,6 +139,41 @@ def mixture_problems(mixture: Any, method: str | None = None) -> list[str]:
     return problems
 
 
+def _entry_dict(e: LayerRoute) -> dict[str, Any]:
+    return {"method": e.method, "budget": e.budget} | ({"mixture": dict(e.mixture)} if e.mixture is not None else {})
+
+
+def _parse_entry(item: Any, where: str, problems: list[str]) -> LayerRoute | None:
+    """One layer's (or head's) method, budget and mixture from JSON; problems appended."""
+    if not isinstance(item, dict) or "method" not in item or "budget" not in item:
+        problems.append(f"{where} must be an object with 'method' and 'budget' (or 'heads'), got {item!r}")
+        return None
+    method, budget = item["method"], item["budget"]
+    before = len(problems)
+    if method not in METHODS:
+        problems.append(f"{where}: unknown method {method!r}; registered: {', '.join(METHODS)}")
+    if (p := budget_problem(budget)) is not None:
+        problems.append(f"{where}: {p}")
+    mixture = item.get("mixture")
+    if mixture is not None:
+        bad = mixture_problems(mixture, method)
+        problems += [f"{where}: {p}" for p in bad]
+        mixture = None if bad else tuple((str(m), float(w)) for m, w in mixture.items())
+    return None if len(problems) > before else LayerRoute(method, budget, mixture)
+
+
+def entry_problems(entry: LayerRoute, where: str) -> list[str]:
+    """What is wrong with one (layer or head) entry's method, budget and mixture."""
+    problems = []
+    if entry.method not in METHODS:
+        problems.append(f"{where}: unknown method {entry.method!r}; registered: {', '.join(METHODS)}")
+    if (p := budget_problem(entry.budget)) is not None:
+        problems.append(f"{where}: {p}")
+    if entry.mixture is not None:
+        problems += [f"{where}: {p}" for p in mixture_problems(dict(entry.mixture), entry.method)]
+    return problems
+
+
 @dataclass
 class Route:
     """Per-layer methods and budgets, plus where the route came from."""
@@ -114,13 +187,21 @@ class Route:
         problems = []
         if not self.layers:
             problems.append("a route needs at least one layer")
+        head_counts = set()
         for i, entry in enumerate(self.layers):
-            if entry.method not in METHODS:
-                problems.append(f"layer {i}: unknown method {entry.method!r}; registered: {', '.join(METHODS)}")
-            if (p := budget_problem(entry.budget)) is not None:
-                problems.append(f"layer {i}: {p}")
-            if entry.mixture is not None:
-                problems += [f"layer {i}: {p}" for p in mixture_problems(dict(entry.mixture), entry.method)]
+            if entry.heads is None:
+                problems += entry_problems(entry, f"layer {i}")
+                continue
+            head_counts.add(len(entry.heads))
+            for h, head in enumerate(entry.heads):
+                problems += entry_problems(head, f"layer {i} head {h}")
+                if head.heads is not None:
+                    problems.append(f"layer {i} head {h}: a head cannot have heads of its own")
+            if len({isinstance(head.budget, float) for head in entry.heads}) > 1:
+                problems.append(f"layer {i}: its heads mix token budgets (ints) and fractions (floats)")
+        if len(head_counts) > 1:
+            problems.append(f"per-head layers give different numbers of heads {sorted(head_counts)}: "
+                            "every per-head layer needs one entry per KV head of the model")
         if problems:
             raise RouteError("invalid route:\n  " + "\n  ".join(problems))
         if self.adapter_path is not None:
@@ -188,13 +269,26 @@ class Route:
 
     @property
     def is_mixture(self) -> bool:
-        """Does any layer mix several methods' scores?"""
-        return any(e.mixture is not None for e in self.layers)
+        """Does any layer (or head) mix several methods' scores?"""
+        return any(h.mixture is not None for e in self.layers for h in (e.heads or (e,)))
+
+    @property
+    def n_heads(self) -> int | None:
+        """KV heads per per-head layer, or None when every layer holds for all its heads."""
+        return next((len(e.heads) for e in self.layers if e.heads is not None), None)
+
+    @property
+    def is_per_head(self) -> bool:
+        return self.n_heads is not None
+
+    def head_budgets(self, n_heads: int) -> list[list[Budget]]:
+        """Per layer, each of ``n_heads`` KV heads' budget (per-layer entries repeated)."""
+        return [[h.budget for h in e.head_entries(n_heads)] for e in self.layers]
 
     def hardened(self) -> Route:
-        """The same route with every mixture layer replaced by its heaviest method."""
+        """The same route with every mixture layer (or head) replaced by its heaviest method."""
         prov = {**self.provenance, "hardened_from_mixture": self.is_mixture}
-        layers = [LayerRoute(e.method, e.budget) for e in self.layers]
+        layers = [e.hardened() for e in self.layers]
         return Route(layers, model=self.model, provenance=prov, adapter_path=self.adapter_path)
 
     def rescaled(self, budget: Budget, free: list[bool] | None = None) -> Route:
@@ -203,12 +297,26 @@ class Route:
         :func:`learnroute.methods.budgets.rescale_budgets`: fractions capped at the whole
         context with the excess shared by water filling, token budgets rounded to the exact
         total. A route already at that mean comes back with the same budgets."""
+        prov = {**self.provenance, "rescaled_to": budget}
+        H = self.n_heads
         try:
-            budgets = rescale_budgets(self.budgets, budget, free)
+            if H is None:
+                budgets = rescale_budgets(self.budgets, budget, free)
+            else:  # one shape over every (layer, KV head): per-head budgets follow the same rules
+                flat = [b for per_layer in self.head_budgets(H) for b in per_layer]
+                free_flat = None if free is None else [f for f in free for _ in range(H)]
+                got = rescale_budgets(flat, budget, free_flat)
         except ValueError as e:
             raise RouteError(f"cannot rescale this route: {e}; use route_file_budgets=file") from None
-        prov = {**self.provenance, "rescaled_to": budget}
-        layers = [LayerRoute(e.method, b, e.mixture) for e, b in zip(self.layers, budgets)]
+        if H is None:
+            layers = [LayerRoute(e.method, b, e.mixture) for e, b in zip(self.layers, budgets)]
+        else:
+            layers = []
+            for i, e in enumerate(self.layers):
+                heads = [LayerRoute(h.method, b, h.mixture) for h, b in zip(e.head_entries(H), got[i * H : (i + 1) * H])]
+                # a layer whose heads were alike stays one entry when they still are
+                same = e.heads is None and len(set(got[i * H : (i + 1) * H])) == 1
+                layers.append(heads[0] if same else LayerRoute.per_head(heads))
         return Route(layers, model=self.model, provenance=prov, adapter_path=self.adapter_path)
 
     def with_adapter(self, path: str | os.PathLike | None) -> Route:
@@ -227,6 +335,13 @@ class Route:
             where = f" (made for {self.model})" if self.model else ""
             raise RouteError(f"route has {self.n_layers} layers{where} but {what} has {n_layers}")
 
+    def check_heads(self, n_heads: int, what: str = "the model") -> None:
+        """Refuse a per-head route made for another number of KV heads."""
+        if self.n_heads is not None and self.n_heads != n_heads:
+            where = f" (made for {self.model})" if self.model else ""
+            raise RouteError(f"route gives {self.n_heads} heads per per-head layer{where} but {what} has "
+                             f"{n_heads} KV heads per layer")
+
     def describe(self) -> str:
         """A short human label, e.g. ``snapkv@128`` or ``mixed[snapkv:12,tova:18]``."""
         counts = self.method_counts()
@@ -234,7 +349,7 @@ class Route:
         b = budgets.pop() if len(budgets) == 1 else "var"
         if self.is_mixture:
             return f"mixture[{len(counts)} argmax methods]@{b}"
-        tail = "+adapter" if self.adapter_path is not None else ""
+        tail = ("+adapter" if self.adapter_path is not None else "") + ("/head" if self.is_per_head else "")
         if len(counts) == 1:
             return f"{self.methods[0]}@{b}{tail}"
         inner = ",".join(f"{m}:{c}" for m, c in sorted(counts.items()))
@@ -256,8 +371,7 @@ class Route:
             "model": self.model,
             "n_layers": self.n_layers,
             "layers": [
-                {"layer": i, "method": e.method, "budget": e.budget}
-                | ({"mixture": dict(e.mixture)} if e.mixture is not None else {})
+                {"layer": i} | ({"heads": [_entry_dict(h) for h in e.heads]} if e.heads is not None else _entry_dict(e))
                 for i, e in enumerate(self.layers)
             ],
             "provenance": provenance,
@@ -271,8 +385,8 @@ class Route:
             raise RouteError(f"a route must be a JSON object, got {type(d).__name__}")
         problems = []
         schema = d.get("schema", SCHEMA)
-        if schema != SCHEMA:
-            problems.append(f"unsupported schema {schema!r} (expected {SCHEMA!r})")
+        if schema not in READABLE:
+            problems.append(f"unsupported schema {schema!r} (readable: {', '.join(READABLE)})")
         unknown = set(d) - {"schema", "model", "n_layers", "layers", "provenance"}
         if unknown:
             problems.append(f"unknown keys {sorted(unknown)}")
@@ -286,8 +400,8 @@ class Route:
             n_layers = len(layers)
         entries: dict[int, LayerRoute] = {}
         for pos, item in enumerate(layers):
-            if not isinstance(item, dict) or "method" not in item or "budget" not in item:
-                problems.append(f"layers[{pos}] must be an object with 'method' and 'budget', got {item!r}")
+            if not isinstance(item, dict):
+                problems.append(f"layers[{pos}] must be an object with 'method' and 'budget' (or 'heads'), got {item!r}")
                 continue
             idx = item.get("layer", pos)
             if isinstance(idx, bool) or not isinstance(idx, int) or not 0 <= idx < n_layers:
@@ -296,20 +410,26 @@ class Route:
             if idx in entries:
                 problems.append(f"layer {idx} appears more than once")
                 continue
-            method, budget = item["method"], item["budget"]
-            if method not in METHODS:
-                problems.append(f"layer {idx}: unknown method {method!r}; registered: {', '.join(METHODS)}")
-            if (p := budget_problem(budget)) is not None:
-                problems.append(f"layer {idx}: {p}")
-            mixture = item.get("mixture")
-            if mixture is not None:
-                bad = mixture_problems(mixture, method)
-                problems += [f"layer {idx}: {p}" for p in bad]
-                mixture = None if bad else tuple((str(m), float(w)) for m, w in mixture.items())
-            extra = set(item) - {"layer", "method", "budget", "mixture"}
+            if "heads" not in item:
+                entry = _parse_entry(item, f"layer {idx}", problems)
+                extra = set(item) - {"layer", "method", "budget", "mixture"}
+            else:
+                heads = item["heads"]
+                extra = set(item) - {"layer", "heads"}
+                if schema != SCHEMA:
+                    problems.append(f"layer {idx}: per-head entries ('heads') need schema {SCHEMA!r}")
+                if not isinstance(heads, list) or not heads:
+                    problems.append(f"layer {idx}: 'heads' must be a non-empty list of {{'method': ..., 'budget': ...}}")
+                    continue
+                parsed = [_parse_entry(h, f"layer {idx} head {j}", problems) for j, h in enumerate(heads)]
+                for j, h in enumerate(heads):
+                    if isinstance(h, dict) and (bad := set(h) - {"method", "budget", "mixture"}):
+                        problems.append(f"layer {idx} head {j}: unknown keys {sorted(bad)}")
+                entry = None if None in parsed else LayerRoute.per_head(parsed)
             if extra:
                 problems.append(f"layer {idx}: unknown keys {sorted(extra)}")
-            entries[idx] = LayerRoute(method, budget, mixture)
+            if entry is not None:
+                entries[idx] = entry
         missing = [i for i in range(n_layers) if i not in entries]
         if missing and not problems:
             problems.append(f"missing layers {missing} (n_layers = {n_layers})")

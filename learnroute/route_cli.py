@@ -19,6 +19,18 @@ def show(argv: list[str]) -> int:
     print(f"route {args.route}: {route.describe()}  model={route.model}  n_layers={route.n_layers}")
     if route.provenance:
         print("provenance: " + ", ".join(f"{k}={v}" for k, v in route.provenance.items()))
+    if route.is_per_head:  # a layers x KV heads grid of method@budget
+        heads = [[f"{h.method}@{h.budget}" for h in e.head_entries(route.n_heads)] for e in route.layers]
+        width = max(len(c) for row in heads for c in row) + 2
+        print(f"{'layer':>5}  " + "".join(f"{'head ' + str(h):<{width}}" for h in range(route.n_heads)))
+        for i, (entry, row) in enumerate(zip(route.layers, heads)):
+            print(f"{i:>5}  " + "".join(f"{c:<{width}}" for c in row) + ("" if entry.heads else "(every head)"))
+        counts: dict[str, int] = {}
+        for e in route.layers:
+            for h in e.head_entries(route.n_heads):
+                counts[h.method] = counts.get(h.method, 0) + 1
+        print("counts (layer x head entries): " + ", ".join(f"{m}={c}" for m, c in sorted(counts.items())))
+        return 0
     print(f"{'layer':>5}  {'method':<20} budget")
     for i, entry in enumerate(route.layers):
         print(f"{i:>5}  {entry.method:<20} {entry.budget}")

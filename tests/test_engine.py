@@ -341,14 +341,15 @@ def test_padding_slots_are_never_attended(tiny, tokenizer, sample, monkeypatch):
     clean = engine.answer(pre, routes, keep_logits=True)
     original = Engine._gather_into
 
-    def poisoned(self, prefill, routes, counts, layer, k, v):
+    def poisoned(self, prefill, routes, heads, layer, k, v):
         k.fill_(1e4)
         v.fill_(1e4)
-        original(self, prefill, routes, counts, layer, k, v)
-        for row, c in enumerate(counts):  # rewrite each row's padding slots after the real gather
-            longest = max(cc[layer] for cc in counts)
-            k[row, :, c[layer] : longest] = 1e4
-            v[row, :, c[layer] : longest] = 1e4
+        original(self, prefill, routes, heads, layer, k, v)
+        longest = max(max(c[layer]) for c in heads)
+        for row, c in enumerate(heads):  # rewrite each (row, head)'s padding slots after the real gather
+            for h, kept in enumerate(c[layer]):
+                k[row, h, kept:longest] = 1e4
+                v[row, h, kept:longest] = 1e4
 
     monkeypatch.setattr(Engine, "_gather_into", poisoned)
     dirty = engine.answer(pre, routes, keep_logits=True)

@@ -11,7 +11,7 @@ def test_json_roundtrip_keeps_every_field(tmp_path):
     route = Route.from_layers(["snapkv", "tova", "knorm"], [128, 0.25, 64], model="m", source="test")
     path = route.to_file(tmp_path / "r.json")
     data = json.loads(path.read_text())
-    assert data["schema"] == "learnroute.route/1" and data["n_layers"] == 3 and data["model"] == "m"
+    assert data["schema"] == "learnroute.route/2" and data["n_layers"] == 3 and data["model"] == "m"
     assert data["layers"][1] == {"layer": 1, "method": "tova", "budget": 0.25}
     back = Route.from_file(path)
     assert back.to_dict() == route.to_dict()

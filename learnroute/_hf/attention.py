@@ -61,8 +61,10 @@ def _layer_mask(
     sliding layer (``window`` w) also hides keys w or more positions behind the query;
     its cached keys are contiguous and end-aligned, so relative positions are exact.
 
-    ``padding`` (valid (B,), pad_end): rows of different lengths share the cache; row b's
-    keys in [valid[b], pad_end) are padding and hidden from every query.
+    ``padding`` (valid (B,) or (B, H_kv), pad_end): rows (or, per KV head, a row's heads:
+    per-head routes) of different lengths share the cache; row b's keys in
+    [valid[b], pad_end) (head h's: [valid[b, h], pad_end)) are padding and hidden from
+    every query (of every query head in that KV head's group).
     """
     if rebuild or padding is not None:
         attention_mask = None
@@ -97,9 +99,14 @@ def _layer_mask(
         attention_mask = allowed[None, None]  # (1, 1, q, kv)
     if padding is not None:
         valid, pad_end = padding
-        j = torch.arange(kv, device=query.device).unsqueeze(0)  # (1, kv)
-        hidden = (j >= valid.unsqueeze(1)) & (j < pad_end)  # (B, kv): each row's padding slots
-        attention_mask = attention_mask & ~hidden[:, None, None, :]  # (B, 1, q, kv)
+        j = torch.arange(kv, device=query.device)  # (kv,)
+        if valid.dim() == 1:
+            hidden = (j >= valid.unsqueeze(1)) & (j < pad_end)  # (B, kv): each row's padding slots
+            attention_mask = attention_mask & ~hidden[:, None, None, :]  # (B, 1, q, kv)
+        else:  # per KV head; query heads h_q * H_kv / H_q .. share KV head h (GQA grouping)
+            hidden = (j >= valid.unsqueeze(-1)) & (j < pad_end)  # (B, H_kv, kv)
+            hidden = hidden.repeat_interleave(query.shape[1] // valid.shape[1], dim=1)  # (B, H_q, kv)
+            attention_mask = attention_mask & ~hidden[:, :, None, :]  # (B, H_q, q, kv)
     if bias is None:
         if eager and attention_mask.dtype == torch.bool:
             return torch.zeros_like(attention_mask, dtype=query.dtype).masked_fill(

@@ -90,7 +90,7 @@ class _PreallocatedLayer(DynamicLayer):
         # Rows of different lengths share the buffer: row b holds valid[b] context tokens in
         # slots [0, valid[b]); slots [valid[b], pad_end) are padding that attention masks
         # (see attention.padded_keys); later tokens go after pad_end in every row.
-        self.valid = valid  # (B,) or None: no padding
+        self.valid = valid  # (B,), (B, H_kv) per KV head, or None: no padding
         self.pad_end = length
 
     def update(self, key_states, value_states, cache_kwargs=None):
@@ -198,7 +198,8 @@ def cache_from_buffers(
     """A DynamicCache over preallocated per-layer buffers (B, H_kv, capacity, d) whose first
     ``lengths[l]`` positions are filled; later tokens are written into the free room.
 
-    ``valid[l]`` (B,), where given, says how many of those positions each row really holds
+    ``valid[l]`` (B,) or (B, H_kv), where given, says how many of those positions each row
+    (each KV head of each row: per-head routes) really holds
     (the rest is padding, masked inside :func:`~learnroute._hf.attention.padded_keys`).
     """
     cache = DynamicCache(config=model.config)

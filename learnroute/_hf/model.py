@@ -39,6 +39,12 @@ def text_config(model: PreTrainedModel):
     return getattr(cfg, "text_config", cfg)
 
 
+def kv_heads(model: PreTrainedModel) -> int:
+    """Key/value heads per layer (``num_key_value_heads``; the query heads without GQA)."""
+    cfg = text_config(model)
+    return int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+
+
 def model_type(model: PreTrainedModel) -> str:
     return str(getattr(model.config, "model_type", type(model).__name__))
 

@@ -211,6 +211,9 @@ class TrainConfig:
             except RouteError as e:
                 problems.append(f"init_route: {e}")
             else:
+                if route.is_per_head:
+                    problems.append(f"init_route {self.init_route} is a per-head route: gates are per layer "
+                                    "(give a route whose layer entries hold for every head)")
                 missing = sorted(set(route.methods) - set(self.methods))
                 if missing and self.init_method is None:  # init_method replaces the route's methods
                     problems.append(f"init_route uses methods {missing} that are not candidates {self.methods}")

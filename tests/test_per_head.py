@@ -1,0 +1,191 @@
+"""Per-head routes: one method and budget per KV head, kept physically by the engine."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import learnroute as lr
+from learnroute import Engine, Route
+from learnroute._hf import attention_bias, build_cache
+from learnroute.route import LayerRoute, RouteError
+from tests.conftest import make_tiny
+
+H = 2  # the tiny Llama's KV heads
+
+
+def per_head_route() -> Route:
+    """Heads that differ in method, budget, or both, beside an ordinary layer. (On the tiny
+    random model SnapKV, TOVA and KeyDiff pick the same positions in both heads; knorm's
+    differ, so a head given another head's positions shows.)"""
+    return Route([
+        LayerRoute.per_head([LayerRoute("snapkv", 40), LayerRoute("knorm", 15)]),
+        LayerRoute("knorm", 0.3),
+        LayerRoute.per_head([LayerRoute("keydiff", 0.5), LayerRoute("knorm", 0.1)]),
+        LayerRoute.per_head([LayerRoute("h2o", 25), LayerRoute("tova", 25)]),
+    ], provenance={"source": "test"})
+
+
+def topk_positions(engine: Engine, pre, layer: int, method: str, k: int, head: int) -> list[int]:
+    """Reference selection: the ``k`` highest of the method's raw scores for one head, ties
+    to the later position (SnapKV scores its whole window alike), by plain sorted()."""
+    with torch.no_grad():
+        scores = engine.method(method).score(pre.layers[layer], k).float()[0, head].tolist()  # n floats
+    return sorted(sorted(range(len(scores)), key=lambda i: (scores[i], i))[-k:])
+
+
+def greedy_with_masks(model, pre, kept: list[list[list[int]]], max_new_tokens: int):
+    """Greedy tokens and first logits of the full cache with every evicted (layer, KV head,
+    position) hidden by a -inf bias: the attention-bias path, not the engine's padding."""
+    n = pre.n_tokens
+    biases = {}
+    for layer, heads in enumerate(kept):
+        bias = torch.full((1, H, n), float("-inf"))
+        for h, positions in enumerate(heads):
+            bias[0, h, positions] = 0.0
+        biases[layer] = bias
+    cache = build_cache(model, [(c.keys, c.values) for c in pre.layers])
+    ids = pre.prompt.question_ids
+    pos = torch.arange(n, n + ids.shape[1])[None]
+    eos = model.generation_config.eos_token_id
+    tokens, first = [], None
+    with torch.no_grad(), attention_bias(model, biases):
+        while len(tokens) < max_new_tokens and (not tokens or tokens[-1] != eos):
+            logits = model(input_ids=ids, past_key_values=cache, position_ids=pos).logits[0, -1]
+            first = logits if first is None else first
+            tokens.append(int(logits.argmax()))
+            ids, pos = torch.tensor([[tokens[-1]]]), pos[:, -1:] + 1
+    return tokens, first
+
+
+# ---------------------------------------------------------------------------- route files
+
+
+def test_per_head_route_round_trips_and_version_1_files_still_read(tmp_path):
+    route = per_head_route()
+    path = route.to_file(tmp_path / "r.json")
+    data = json.loads(path.read_text())
+    assert data["schema"] == "learnroute.route/2"
+    assert data["layers"][0] == {"layer": 0, "heads": [{"method": "snapkv", "budget": 40}, {"method": "knorm", "budget": 15}]}
+    assert data["layers"][1] == {"layer": 1, "method": "knorm", "budget": 0.3}
+    back = Route.from_file(path)
+    assert back.layers == route.layers and back.n_heads == H
+    # the per-layer summary: the heads' most common method (the first among ties), mean budget
+    assert (back.layers[0].method, back.layers[0].budget) == ("snapkv", 28)
+    assert back.layers[2].budget == pytest.approx(0.3)
+    old = {"schema": "learnroute.route/1", "layers": [{"method": "snapkv", "budget": 8}] * 2}
+    assert Route.from_dict(old).budgets == [8, 8] and not Route.from_dict(old).is_per_head
+
+
+def test_bad_per_head_entries_are_all_named():
+    bad = {"schema": "learnroute.route/2", "layers": [
+        {"layer": 0, "heads": [{"method": "snapkv", "budget": 0}, {"method": "nope", "budget": 8}]},
+        {"layer": 1, "heads": [{"method": "tova", "budget": 8}], "method": "tova"},
+        {"layer": 2, "heads": []},
+    ]}
+    with pytest.raises(RouteError) as e:
+        Route.from_dict(bad)
+    msg = str(e.value)
+    assert "layer 0 head 0: budget 0 must be >= 1" in msg and "layer 0 head 1: unknown method 'nope'" in msg
+    assert "layer 1: unknown keys ['method']" in msg and "layer 2: 'heads' must be a non-empty list" in msg
+    v1 = {"schema": "learnroute.route/1", "layers": [{"heads": [{"method": "tova", "budget": 8}]}]}
+    with pytest.raises(RouteError, match="need schema 'learnroute.route/2'"):
+        Route.from_dict(v1)
+    with pytest.raises(RouteError, match=r"different numbers of heads \[1, 2\]"):
+        Route([LayerRoute.per_head([LayerRoute("tova", 8)]), LayerRoute.per_head([LayerRoute("tova", 8)] * 2)])
+    with pytest.raises(RouteError, match="mix token budgets"):
+        Route([LayerRoute.per_head([LayerRoute("tova", 8), LayerRoute("tova", 0.5)])])
+
+
+def test_per_head_budgets_rescale_with_the_one_budget_arithmetic():
+    route = Route([LayerRoute.per_head([LayerRoute("snapkv", 30), LayerRoute("tova", 10)]), LayerRoute("knorm", 20)])
+    down = route.rescaled(10)  # mean 10 tokens over the 4 (layer, head) entries: an exact total of 40
+    heads = [[h.budget for h in e.head_entries(2)] for e in down.layers]
+    assert sum(map(sum, heads)) == 40 and heads[0][0] > heads[0][1]
+    assert down.layers[1].heads is None  # a layer whose heads were alike stays one entry
+    assert route.rescaled(20).layers == route.layers  # already at its mean: unchanged
+    frac = Route([LayerRoute.per_head([LayerRoute("snapkv", 0.9), LayerRoute("tova", 0.1)]), LayerRoute("knorm", 0.5)])
+    up = frac.rescaled(0.8)  # the 0.9 head caps at 1.0; the excess goes to the others by water filling
+    flat = [h.budget for e in up.layers for h in e.head_entries(2)]
+    assert max(flat) == 1.0 and sum(flat) / 4 == pytest.approx(0.8)
+
+
+# ---------------------------------------------------------------------------- engine
+
+
+def test_a_per_head_route_whose_heads_agree_answers_like_the_per_layer_route(tiny, tokenizer, sample):
+    layered = Route.from_layers(["snapkv", "tova", "knorm", "h2o"], [40, 0.3, 25, 0.2])
+    headed = Route([LayerRoute.per_head([e] * H) for e in layered.layers])
+    engine = Engine(tiny, tokenizer, max_new_tokens=6)
+    pre = engine.prefill(engine.encode(sample.context, sample.question))
+    a, b = engine.answer(pre, [layered, headed], keep_logits=True)
+    assert a.token_ids == b.token_ids and a.kv_bytes == b.kv_bytes and a.kept_per_layer == b.kept_per_layer
+    torch.testing.assert_close(a.first_logits, b.first_logits)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_heads_keep_their_own_tokens_as_masking_the_evicted_ones_does(tokenizer, sample, attn):
+    """Independent reference: the full cache with a -inf bias on every position a head
+    evicts, positions chosen by torch.topk over each head's own method's scores."""
+    model = make_tiny(tokenizer, attn=attn, seed=3)
+    route = per_head_route()
+    engine = Engine(model, tokenizer, max_new_tokens=6, max_padding=100.0)
+    pre = engine.prefill(engine.encode(sample.context, sample.question))
+    n = pre.n_tokens
+    heads = engine.kept_head_counts(route, n)
+    assert heads[0] == (40, 15) and heads[2] == (int(0.5 * n), int(0.1 * n))
+    kept = [[topk_positions(engine, pre, layer, h.method, k, j) for j, (h, k) in enumerate(zip(e.head_entries(H), c))]
+            for layer, (e, c) in enumerate(zip(route.layers, heads))]
+    want_tokens, want_first = greedy_with_masks(model, pre, kept, 6)
+    # alone, and padded into one batch with per-layer routes of other shapes
+    others = [Route.homogeneous("snapkv", 4, 0.3), Route.from_layers(["tova", "keydiff", "snapkv", "knorm"], [60, 12, 0.5, 20])]
+    for routes in ([route], [others[0], route, others[1]]):
+        got = next(r for r in engine.answer(pre, routes, keep_logits=True) if r.route is route)
+        assert got.token_ids == want_tokens
+        torch.testing.assert_close(got.first_logits, want_first, rtol=1e-4, atol=1e-4)
+        cap = pre.layers[0]
+        per_head_token = (cap.keys.shape[-1] + cap.values.shape[-1]) * cap.keys.element_size()
+        assert got.kept_per_head == heads and got.kept_per_layer == [max(c) for c in heads]
+        assert got.kv_bytes == per_head_token * sum(map(sum, heads))  # what the route asks for
+        assert got.allocated_kv_bytes == per_head_token * H * sum(map(max, heads))  # with its heads' padding
+    assert not any(hasattr(m, "_learnroute_padding") for m in lr._hf.attention_modules(model))
+
+
+def test_a_per_head_route_for_another_head_count_is_refused_before_any_prefill(tiny, tokenizer, sample, monkeypatch):
+    route = Route([LayerRoute.per_head([LayerRoute("tova", 8)] * 3)] * 4, model="elsewhere")
+    engine = Engine(tiny, tokenizer)
+    monkeypatch.setattr(Engine, "prefill", lambda *a: pytest.fail("prefilled before checking the route"))
+    with pytest.raises(RouteError, match=r"3 heads per per-head layer \(made for elsewhere\) but the model has 2 KV heads"):
+        engine.run(sample.context, sample.question, [route])
+
+
+def test_compress_refuses_heads_it_cannot_mark_as_padding(tiny, tokenizer, sample):
+    engine = Engine(tiny, tokenizer)
+    pre = engine.prefill(engine.encode(sample.context, sample.question))
+    with pytest.raises(ValueError, match="decode it with Engine.answer"):
+        engine.compress(pre, [per_head_route()])
+
+
+def test_show_draws_a_layers_by_heads_grid(tmp_path, capsys):
+    from learnroute.cli import main
+
+    path = per_head_route().to_file(tmp_path / "r.json")
+    assert main(["show", str(path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    grid = {line.split()[0]: line.split()[1:] for line in out if line.strip()[:1].isdigit()}
+    assert grid["0"] == ["snapkv@40", "knorm@15"] and grid["1"] == ["knorm@0.3", "knorm@0.3", "(every", "head)"]
+    assert "counts (layer x head entries): h2o=1, keydiff=1, knorm=4, snapkv=1, tova=1" in out
+
+
+def test_what_runs_per_layer_only_refuses_per_head_routes_before_any_forward(tmp_path):
+    from learnroute.config import ConfigError, from_dict
+    from learnroute.gates.config import TrainConfig
+    from learnroute.press import RoutedPress
+
+    with pytest.raises(RouteError, match="RoutedPress does not run per-head routes yet"):
+        RoutedPress(per_head_route())
+    path = per_head_route().to_file(tmp_path / "r.json")
+    with pytest.raises(ConfigError, match="is a per-head route: gates are per layer"):
+        from_dict(TrainConfig, {"init_route": str(path), "learn": "budgets"})
