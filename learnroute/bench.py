@@ -36,7 +36,8 @@ from learnroute.runs import (
 from learnroute.tasks.suite import check_tasks, load_tasks
 
 Budget = int | float
-ROUTE_KINDS = ("full", "homogeneous:<method>", "pyramid:<method>", "<route file or glob>", "<route file>@<budget>")
+ROUTE_KINDS = ("full", "homogeneous:<method>", "pyramid:<method>", "adakv:<method>", "<route file or glob>",
+               "<route file>@<budget>")
 
 
 @dataclass
@@ -56,7 +57,7 @@ class BenchConfig:
     routes: list[str] = field(
         default_factory=lambda: ["full", "homogeneous:snapkv"],
         metadata={
-            "help": "full | homogeneous:<method> | pyramid:<method> | route file | glob of route files | "
+            "help": "full | homogeneous:<method> | pyramid:<method> | adakv:<method> | route file | glob of route files | "
             "FILE@BUDGET (that file at that budget only, e.g. a profile route made for it)"
         },
     )
@@ -141,7 +142,7 @@ def route_spec_problems(spec: str) -> list[str]:
     kind, sep, method = spec.partition(":")
     if spec == "full":
         return []
-    if sep and kind in ("homogeneous", "pyramid"):
+    if sep and kind in ("homogeneous", "pyramid", "adakv"):
         if method not in METHODS:
             return [f"route {spec!r}: unknown method {method!r}; registered: {', '.join(METHODS)}"]
         return []
@@ -200,6 +201,8 @@ def resolve_routes(config: BenchConfig, n_layers: int, model: str) -> list[Cell]
             cells += [
                 Cell(spec, b, Route.allocated(method, n_layers, b, "pyramid", model=model)) for b in config.budgets
             ]
+        elif kind == "adakv":  # the layer's budget shared across its KV heads by scores, per sample
+            cells += [Cell(spec, b, Route.adakv(method, n_layers, b, model=model)) for b in config.budgets]
         else:
             spec, pin = pinned(spec)
             for path in sorted(glob.glob(spec)):
@@ -303,7 +306,8 @@ def run_bench(config: BenchConfig, overwrite: bool = False) -> Path:
                     "budget": c.budget,
                     "prediction": r.answer,
                     "score": score_sample(sample, r.answer),
-                    "kv_bytes": r.kv_bytes,
+                    "kv_bytes": r.kv_bytes,  # what the route keeps
+                    "allocated_kv_bytes": r.allocated_kv_bytes,  # its cache with per-head padding
                     "kv_fraction": r.kv_fraction,
                     "n_tokens": n,
                     "seconds": r.seconds,

@@ -28,9 +28,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from learnroute import _hf
 from learnroute import adapter as _adapter
 from learnroute.methods.base import Method
-from learnroute.methods.select import active_components, kept_count, select
+from learnroute.methods.select import active_components, keep_indices, kept_count, select
 from learnroute.methods.registry import get_method
-from learnroute.route import Route
+from learnroute.route import ADAKV_SAFEGUARD, Route
 
 
 @dataclass
@@ -316,7 +316,9 @@ class Engine:
         shorter than the context)."""
         return self._local[layer] or held < n_tokens
 
-    def kept_counts(self, route: Route, n_tokens: int, layer_tokens: list[int] | None = None) -> list[int]:
+    def kept_counts(
+        self, route: Route, n_tokens: int, layer_tokens: list[int] | None = None, prefill: Prefill | None = None
+    ) -> list[int]:
         """Tokens kept per KV head in each layer for a context of ``n_tokens``.
 
         Local sliding-window layers (Gemma3's) are not compressed, whatever the route says,
@@ -324,20 +326,43 @@ class Engine:
         ``layer_tokens`` (:attr:`Prefill.layer_tokens`; their window, when the context is
         longer). So does any layer whose cache holds fewer tokens than the context.
         """
-        return [max(heads) for heads in self.kept_head_counts(route, n_tokens, layer_tokens)]
+        return [max(heads) for heads in self.kept_head_counts(route, n_tokens, layer_tokens, prefill)]
 
-    def kept_head_counts(self, route: Route, n_tokens: int, layer_tokens: list[int] | None = None) -> list[tuple[int, ...]]:
+    def kept_head_counts(
+        self, route: Route, n_tokens: int, layer_tokens: list[int] | None = None, prefill: Prefill | None = None
+    ) -> list[tuple[int, ...]]:
         """Tokens kept by each KV head in each layer (:meth:`kept_counts`, per head): the
-        heads of a per-head layer keep their own budgets."""
+        heads of a per-head layer keep their own budgets; the heads of a layer that shares
+        its budget (``share="adakv"``) split it by the sample's scores, so ``prefill`` is
+        needed then."""
         counts = []
         for layer, e in enumerate(route.layers):
             held = n_tokens if layer_tokens is None else layer_tokens[layer]
             fixed = self.is_fixed(layer, held, n_tokens)
-            counts.append(tuple(
+            heads = tuple(
                 kept_count(h.budget, n_tokens, keeps_all=self.method(h.method).keeps_all, fixed=fixed, held=held)
                 for h in e.head_entries(self.n_kv_heads)
-            ))
+            )
+            if e.share is not None and heads[0] < n_tokens:
+                if prefill is None:
+                    raise ValueError(f"layer {layer} shares its budget across heads by the sample's scores "
+                                     f"(share={e.share!r}): its per-head counts need the prefill")
+                heads = self._adakv_counts(prefill, layer, e.method, heads[0])
+            counts.append(heads)
         return counts
+
+    def _adakv_counts(self, prefill: Prefill, layer: int, method: str, n_kept: int) -> tuple[int, ...]:
+        """Ada-KV's split of ``H_kv x n_kept`` tokens over a layer's KV heads (kvpress's
+        AdaKVPress): each head's best ``max(1, int(n_kept x ADAKV_SAFEGUARD))`` positions
+        first, then the top scores over all heads. Ties go to the later (head, position), as
+        :func:`learnroute.methods.select.keep_indices` breaks them within a head, so each head
+        keeps exactly its own top-k of that method's scores."""
+        scores = self.scores(prefill, layer, method, n_kept)  # (1, H_kv, n)
+        _, h, n = scores.shape
+        safe = max(1, int(n_kept * ADAKV_SAFEGUARD))
+        forced = scores.clone().scatter_(-1, keep_indices(scores, safe), float("inf"))  # (1, H_kv, n)
+        top = keep_indices(forced.reshape(1, 1, h * n), h * n_kept)  # (1, 1, H_kv * n_kept) flat positions
+        return tuple(torch.bincount(top.flatten() // n, minlength=h).tolist())
 
     def compress(
         self, prefill: Prefill, routes: list[Route], counts: list[list[int]] | None = None
@@ -349,7 +374,7 @@ class Engine:
         slots are padding (:meth:`answer` decodes it with the padding masked).
         """
         if counts is None:
-            heads = [self.kept_head_counts(r, prefill.n_tokens, prefill.layer_tokens) for r in routes]
+            heads = [self.kept_head_counts(r, prefill.n_tokens, prefill.layer_tokens, prefill) for r in routes]
         else:
             heads = [[(k,) * self.n_kv_heads for k in c] for c in counts]
         if any(min(c) != max(c) for per_route in heads for c in per_route) or (
@@ -397,11 +422,11 @@ class Engine:
         heads select on their own (each head's own method and count: its row of that
         method's selection at that count), the shorter padded with position 0."""
         entry = route.layers[layer]
-        if entry.heads is None:
+        if min(kept) == max(kept) and entry.heads is None:
             return self.kept_indices(prefill, layer, entry.method, kept[0], entry.mixture)  # (1, H_kv, k)
         longest = max(kept)
         rows = []
-        for h, (head, k) in enumerate(zip(entry.heads, kept)):
+        for h, (head, k) in enumerate(zip(entry.head_entries(len(kept)), kept)):
             idx = self.kept_indices(prefill, layer, head.method, k, head.mixture)[:, h]  # (1, k_h)
             rows.append(torch.nn.functional.pad(idx, (0, longest - idx.shape[-1])))  # (1, longest)
         return torch.stack(rows, dim=1)  # (1, H_kv, longest)
@@ -659,7 +684,7 @@ class Engine:
         # of similar kept counts share a batch (pack_batches).
         by_adapter: dict[Path | None, list[int]] = defaultdict(list)
         adapters: dict[Path | None, _adapter.Adapter | None] = {}
-        heads = [self.kept_head_counts(route, n, prefill.layer_tokens) for route in routes]
+        heads = [self.kept_head_counts(route, n, prefill.layer_tokens, prefill) for route in routes]
         counts = [[max(c) for c in per_route] for per_route in heads]  # what each route's cache holds per layer
         for i, route in enumerate(routes):
             found = self.adapter(route)

@@ -36,6 +36,8 @@ from learnroute.methods.budgets import allocate, rescale_budgets
 from learnroute.methods.registry import METHODS
 
 SCHEMA = "learnroute.route/2"
+SHARES = ("adakv",)  # LayerRoute.share: how a layer's heads may share its budget
+ADAKV_SAFEGUARD = 0.20  # Ada-KV's floor per head, as a fraction of the layer's budget (kvpress's default)
 READABLE = ("learnroute.route/1", SCHEMA)  # version 1: per-layer entries only
 Budget = int | float
 
@@ -85,6 +87,11 @@ class LayerRoute:
     mixture: tuple[tuple[str, float], ...] | None = None
     # One entry per KV head (each without heads of its own), or None: every head alike.
     heads: tuple[LayerRoute, ...] | None = None
+    # How the layer's KV heads share its budget (None: each keeps ``budget``). "adakv":
+    # Ada-KV (Feng et al., 2024): the layer keeps H_kv x budget tokens, chosen by the top
+    # scores over all its heads, each head keeping at least ADAKV_SAFEGUARD x budget of its
+    # own best (kvpress's AdaKVPress, alpha_safeguard 0.20): per-head counts per sample.
+    share: str | None = None
 
     @classmethod
     def per_head(cls, heads: list[LayerRoute] | tuple[LayerRoute, ...]) -> LayerRoute:
@@ -117,7 +124,7 @@ class LayerRoute:
         """The entry with mixtures replaced by their heaviest method (per head too)."""
         if self.heads is not None:
             return LayerRoute.per_head([h.hardened() for h in self.heads])
-        return LayerRoute(self.method, self.budget)
+        return LayerRoute(self.method, self.budget, share=self.share)
 
 
 def mixture_problems(mixture: Any, method: str | None = None) -> list[str]:
@@ -140,10 +147,11 @@ def mixture_problems(mixture: Any, method: str | None = None) -> list[str]:
 
 
 def _entry_dict(e: LayerRoute) -> dict[str, Any]:
-    return {"method": e.method, "budget": e.budget} | ({"mixture": dict(e.mixture)} if e.mixture is not None else {})
+    return ({"method": e.method, "budget": e.budget} | ({"mixture": dict(e.mixture)} if e.mixture is not None else {})
+            | ({"share": e.share} if e.share is not None else {}))
 
 
-def _parse_entry(item: Any, where: str, problems: list[str]) -> LayerRoute | None:
+def _parse_entry(item: Any, where: str, problems: list[str], schema: str = SCHEMA) -> LayerRoute | None:
     """One layer's (or head's) method, budget and mixture from JSON; problems appended."""
     if not isinstance(item, dict) or "method" not in item or "budget" not in item:
         problems.append(f"{where} must be an object with 'method' and 'budget' (or 'heads'), got {item!r}")
@@ -159,7 +167,12 @@ def _parse_entry(item: Any, where: str, problems: list[str]) -> LayerRoute | Non
         bad = mixture_problems(mixture, method)
         problems += [f"{where}: {p}" for p in bad]
         mixture = None if bad else tuple((str(m), float(w)) for m, w in mixture.items())
-    return None if len(problems) > before else LayerRoute(method, budget, mixture)
+    share = item.get("share")
+    if share is not None and schema != SCHEMA:
+        problems.append(f"{where}: 'share' needs schema {SCHEMA!r}")
+    if share is not None and share not in SHARES:
+        problems.append(f"{where}: share {share!r} is not one of {', '.join(SHARES)}")
+    return None if len(problems) > before else LayerRoute(method, budget, mixture, share=share)
 
 
 def entry_problems(entry: LayerRoute, where: str) -> list[str]:
@@ -171,6 +184,10 @@ def entry_problems(entry: LayerRoute, where: str) -> list[str]:
         problems.append(f"{where}: {p}")
     if entry.mixture is not None:
         problems += [f"{where}: {p}" for p in mixture_problems(dict(entry.mixture), entry.method)]
+    if entry.share is not None and entry.share not in SHARES:
+        problems.append(f"{where}: share {entry.share!r} is not one of {', '.join(SHARES)}")
+    if entry.share is not None and entry.mixture is not None:
+        problems.append(f"{where}: a mixture layer cannot share its budget across heads (share needs one method)")
     return problems
 
 
@@ -195,8 +212,8 @@ class Route:
             head_counts.add(len(entry.heads))
             for h, head in enumerate(entry.heads):
                 problems += entry_problems(head, f"layer {i} head {h}")
-                if head.heads is not None:
-                    problems.append(f"layer {i} head {h}: a head cannot have heads of its own")
+                if head.heads is not None or head.share is not None:
+                    problems.append(f"layer {i} head {h}: a head cannot have heads or a share of its own")
             if len({isinstance(head.budget, float) for head in entry.heads}) > 1:
                 problems.append(f"layer {i}: its heads mix token budgets (ints) and fractions (floats)")
         if len(head_counts) > 1:
@@ -223,6 +240,13 @@ class Route:
         source = "homogeneous" if allocator == "uniform" else allocator
         prov = {"source": source, "method": method, "budget": budget, "allocator": allocator}
         return cls([LayerRoute(method, b) for b in budgets], model=model, provenance=prov)
+
+    @classmethod
+    def adakv(cls, method: str, n_layers: int, budget: Budget, model: str | None = None) -> Route:
+        """Ada-KV over ``method``: every layer keeps ``budget`` per KV head on average, its
+        heads sharing the layer's tokens by their scores (``share="adakv"``)."""
+        prov = {"source": "adakv", "method": method, "budget": budget, "safeguard": ADAKV_SAFEGUARD}
+        return cls([LayerRoute(method, budget, share="adakv")] * n_layers, model=model, provenance=prov)
 
     @classmethod
     def full(cls, n_layers: int, model: str | None = None) -> Route:
@@ -309,14 +333,19 @@ class Route:
         except ValueError as e:
             raise RouteError(f"cannot rescale this route: {e}; use route_file_budgets=file") from None
         if H is None:
-            layers = [LayerRoute(e.method, b, e.mixture) for e, b in zip(self.layers, budgets)]
+            layers = [LayerRoute(e.method, b, e.mixture, share=e.share) for e, b in zip(self.layers, budgets)]
         else:
             layers = []
             for i, e in enumerate(self.layers):
-                heads = [LayerRoute(h.method, b, h.mixture) for h, b in zip(e.head_entries(H), got[i * H : (i + 1) * H])]
-                # a layer whose heads were alike stays one entry when they still are
-                same = e.heads is None and len(set(got[i * H : (i + 1) * H])) == 1
-                layers.append(heads[0] if same else LayerRoute.per_head(heads))
+                mine = got[i * H : (i + 1) * H]
+                if e.heads is None and (len(set(mine)) == 1 or e.share is not None):
+                    # a layer whose heads were alike stays one entry (its heads sharing as before);
+                    # exact token totals may hand its heads one token more or less: their mean
+                    b = mine[0] if len(set(mine)) == 1 else LayerRoute.per_head([LayerRoute(e.method, x) for x in mine]).budget
+                    layers.append(LayerRoute(e.method, b, e.mixture, share=e.share))
+                else:
+                    layers.append(LayerRoute.per_head([LayerRoute(h.method, b, h.mixture)
+                                                       for h, b in zip(e.head_entries(H), mine)]))
         return Route(layers, model=self.model, provenance=prov, adapter_path=self.adapter_path)
 
     def with_adapter(self, path: str | os.PathLike | None) -> Route:
@@ -349,6 +378,8 @@ class Route:
         b = budgets.pop() if len(budgets) == 1 else "var"
         if self.is_mixture:
             return f"mixture[{len(counts)} argmax methods]@{b}"
+        if len(counts) == 1 and all(e.share for e in self.layers):
+            return f"{self.layers[0].share}:{self.methods[0]}@{b}"
         tail = ("+adapter" if self.adapter_path is not None else "") + ("/head" if self.is_per_head else "")
         if len(counts) == 1:
             return f"{self.methods[0]}@{b}{tail}"
@@ -411,8 +442,8 @@ class Route:
                 problems.append(f"layer {idx} appears more than once")
                 continue
             if "heads" not in item:
-                entry = _parse_entry(item, f"layer {idx}", problems)
-                extra = set(item) - {"layer", "method", "budget", "mixture"}
+                entry = _parse_entry(item, f"layer {idx}", problems, schema)
+                extra = set(item) - {"layer", "method", "budget", "mixture", "share"}
             else:
                 heads = item["heads"]
                 extra = set(item) - {"layer", "heads"}
@@ -421,7 +452,7 @@ class Route:
                 if not isinstance(heads, list) or not heads:
                     problems.append(f"layer {idx}: 'heads' must be a non-empty list of {{'method': ..., 'budget': ...}}")
                     continue
-                parsed = [_parse_entry(h, f"layer {idx} head {j}", problems) for j, h in enumerate(heads)]
+                parsed = [_parse_entry(h, f"layer {idx} head {j}", problems, schema) for j, h in enumerate(heads)]
                 for j, h in enumerate(heads):
                     if isinstance(h, dict) and (bad := set(h) - {"method", "budget", "mixture"}):
                         problems.append(f"layer {idx} head {j}: unknown keys {sorted(bad)}")

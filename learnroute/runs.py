@@ -167,9 +167,23 @@ def _defaults(config: Any) -> dict:
         return {}
 
 
-def prepare_folder(config: Any, overwrite: bool, is_main: bool) -> Path:
+def _grown(old: Any, new: Any) -> bool:
+    """Does ``new`` keep everything ``old`` had (a mapping: every old key with its value; a
+    list: every old item), adding only?"""
+    if old is None:
+        return True
+    if isinstance(old, dict) and isinstance(new, dict):
+        return all(k in new and new[k] == v for k, v in old.items())
+    if isinstance(old, list) and isinstance(new, list):
+        return all(x in new for x in old)
+    return old == new
+
+
+def prepare_folder(config: Any, overwrite: bool, is_main: bool, growable: tuple[str, ...] = ()) -> Path:
     """Create or reopen the run folder; refuse a different config unless ``overwrite``.
 
+    Keys in ``growable`` (a study's variants and seeds) may gain entries on a resume,
+    never change or lose one: what was run stays valid and the new entries are run.
     With ``overwrite`` the old folder is moved aside to ``<output>.replaced-<time>``,
     never deleted.
     """
@@ -179,10 +193,13 @@ def prepare_folder(config: Any, overwrite: bool, is_main: bool) -> Path:
     if saved.is_file():
         old = yaml.safe_load(saved.read_text()) or {}
         defaults = _defaults(config)
-        if _comparable(old, defaults) != _comparable(resolved):
+        a, b = _comparable(old, defaults), _comparable(resolved)
+        grew = [k for k in growable if _grown(a.pop(k, None), b.pop(k, None))]
+        if a != b or len(grew) != len(growable):
             if not overwrite:
                 diff = sorted(
-                    k for k in set(old) | set(resolved) if k not in _RESUME_FREE and old.get(k) != resolved.get(k)
+                    k for k in set(old) | set(resolved)
+                    if k not in _RESUME_FREE and old.get(k) != resolved.get(k) and k not in grew
                 )
                 raise ConfigError(
                     f"{out} holds a run with a different config (differs in: {', '.join(diff)}); "

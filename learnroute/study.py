@@ -320,7 +320,8 @@ def run_study(config: StudyConfig, overwrite: bool = False) -> Path:
     from learnroute.runs import prepare_folder, process_state
 
     state = process_state()
-    out = prepare_folder(config, overwrite, is_main=state.is_main_process)
+    # A study grows: variants and seeds added later train and bench; finished ones are kept.
+    out = prepare_folder(config, overwrite, is_main=state.is_main_process, growable=("variants", "seeds"))
     state.wait_for_everyone()
     run = _Stages(config, out, state)
     run.profile()

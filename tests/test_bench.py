@@ -185,7 +185,7 @@ def test_route_files_scaled_and_as_given(tiny_dir, tmp_path):
     kept = 16 + 32 + 32 + 48  # the file's shape x2: mean 32
     cfg = AutoConfig.from_pretrained(tiny_dir)
     per_token = 2 * cfg.num_key_value_heads * cfg.head_dim * 4  # K and V per layer, float32
-    assert row["kv_bytes"] == per_token * kept
+    assert row["kv_bytes"] == row["allocated_kv_bytes"] == per_token * kept  # a per-layer route: no head padding
     assert row["kv_fraction"] == pytest.approx(kept / (4 * n))
     out2 = tmp_path / "run2"
     run_bench(

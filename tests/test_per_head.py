@@ -189,3 +189,55 @@ def test_what_runs_per_layer_only_refuses_per_head_routes_before_any_forward(tmp
     path = per_head_route().to_file(tmp_path / "r.json")
     with pytest.raises(ConfigError, match="is a per-head route: gates are per layer"):
         from_dict(TrainConfig, {"init_route": str(path), "learn": "budgets"})
+
+
+# ---------------------------------------------------------------------------- Ada-KV
+
+
+@pytest.mark.parametrize("method, press", [("knorm", "KnormPress"), ("snapkv", "SnapKVPress")])
+def test_adakv_keeps_what_kvpress_adakvpress_keeps(tiny, tokenizer, sample, method, press):
+    """kvpress's AdaKVPress masks the positions it prunes (``module.masked_key_indices``);
+    the engine evicts them. Same kept positions per (layer, KV head), up to ties at the
+    threshold. (The same answers through kvpress's pipeline: tests/test_real_model.py; on
+    this random model kvpress cannot build the fake keys its masking needs.)"""
+    import kvpress
+    from transformers import DynamicCache
+
+    from learnroute.methods import resolve_budget
+    from tests.test_press import assert_same_up_to_ties
+
+    fraction = 0.3
+    engine = Engine(tiny, tokenizer, max_new_tokens=6)
+    pre = engine.prefill(engine.encode(sample.context, sample.question))
+    n = pre.n_tokens
+    route = Route.adakv(method, 4, fraction)
+    heads = engine.kept_head_counts(route, n, prefill=pre)
+    k = resolve_budget(fraction, n)
+    assert all(sum(c) == H * k for c in heads) and any(len(set(c)) > 1 for c in heads)  # heads really differ
+    ada = kvpress.AdaKVPress(getattr(kvpress, press)(compression_ratio=1 - fraction))
+    with torch.no_grad(), ada(tiny):
+        tiny.model(input_ids=pre.prompt.context_ids, past_key_values=DynamicCache(config=tiny.config))
+    for layer, module in enumerate(lr._hf.attention_modules(tiny)):
+        _, head_idx, seq_idx = module.masked_key_indices
+        pruned = [set(seq_idx[head_idx == h].tolist()) for h in range(H)]
+        theirs = [sorted(set(range(n)) - p) for p in pruned]
+        assert [len(t) for t in theirs] == list(heads[layer]), f"layer {layer}"
+        for h in range(H):
+            ours = engine.kept_indices(pre, layer, method, heads[layer][h])[:, h]  # (1, k_h)
+            assert_same_up_to_ties(ours, torch.tensor([theirs[h]]), engine.scores(pre, layer, method, k)[:, h],
+                                   f"layer {layer} head {h}")
+        del module.masked_key_indices
+
+
+def test_adakv_route_files_and_bench_specs():
+    route = Route.adakv("snapkv", 4, 0.2)
+    back = Route.from_dict(route.to_dict())
+    assert back.layers == route.layers and back.describe() == "adakv:snapkv@0.2"
+    assert route.to_dict()["layers"][0] == {"layer": 0, "method": "snapkv", "budget": 0.2, "share": "adakv"}
+    with pytest.raises(RouteError, match="share 'nope' is not one of adakv"):
+        Route.from_dict({"layers": [{"method": "snapkv", "budget": 8, "share": "nope"}]})
+    with pytest.raises(RouteError, match="'share' needs schema"):
+        Route.from_dict({"schema": "learnroute.route/1", "layers": [{"method": "snapkv", "budget": 8, "share": "adakv"}]})
+    from learnroute.bench import route_spec_problems
+
+    assert route_spec_problems("adakv:snapkv") == [] and "unknown method 'nope'" in route_spec_problems("adakv:nope")[0]

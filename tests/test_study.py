@@ -361,3 +361,24 @@ def test_val_tasks_must_be_held_out_families():
 
     with pytest.raises(ConfigError, match=r"val_tasks \['niah_multikey'\] are also training tasks"):
         load_config(TrainConfig, overrides=["val_tasks={niah_multikey: 2}"])
+
+
+def test_a_study_grows_by_variants_and_seeds_but_never_changes_what_it_ran(tmp_path):
+    """Resuming with a variant or a seed added is allowed (they train and bench; finished
+    cells stay); a changed or dropped variant, or any other change, is refused."""
+    from learnroute.runs import prepare_folder
+
+    def config(**kw):
+        base = {"output": str(tmp_path / "s"), "variants": {"a": {"lr": 0.01}}, "seeds": [1]}
+        return S.StudyConfig(**{**base, **kw})
+
+    prepare_folder(config(), False, True, growable=("variants", "seeds"))
+    grown = config(variants={"a": {"lr": 0.01}, "b": {"lr": 0.02}}, seeds=[1, 2])
+    prepare_folder(grown, False, True, growable=("variants", "seeds"))
+    assert yaml.safe_load((tmp_path / "s" / "config.yaml").read_text())["variants"] == grown.variants
+    for changed, what in ((config(variants={"a": {"lr": 0.02}, "b": {"lr": 0.02}}, seeds=[1, 2]), "variants"),
+                          (config(variants={"b": {"lr": 0.02}}, seeds=[1, 2]), "variants"),
+                          (config(variants=grown.variants, seeds=[2]), "seeds"),
+                          (config(variants=grown.variants, seeds=[1, 2], eval_seed=3), "eval_seed")):
+        with pytest.raises(ConfigError, match=rf"differs in: {what}\);"):
+            prepare_folder(changed, False, True, growable=("variants", "seeds"))
