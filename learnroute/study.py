@@ -280,7 +280,8 @@ class StudyConfig:
         raise ConfigError(f"unknown study token {token!r}; valid: {', '.join(TOKENS)}")
 
 
-CONTROLS = "_controls"  # bench_<protocol>_controls/: pyramid:<best homogeneous method>, run after the bench
+CONTROLS = "_controls"  # bench_<protocol>_controls/: pyramid: and adakv:<best homogeneous method>, after the bench
+CONTROL_KINDS = ("pyramid", "adakv")
 SEED = "_seed"  # <main>_seed<k>: the main variant trained with another optimisation seed
 START = "_start"  # suffix of a variant's untrained start among the routes (the control of question 8)
 SHARED_STARTS = "shared_starts.json"  # routes/: {start: the identical start benched in its place}
@@ -450,7 +451,7 @@ class _Stages:
 
         self.log(f"stage 4/5: bench ({protocol}) on eval samples")
         run_bench(self.bench_config(protocol, self.bench_routes(protocol, variants, routes), f"bench_{protocol}"))
-        self.pyramid_control(protocol)
+        self.controls(protocol)
 
     def bench_config(self, protocol: str, routes: list[str], folder: str):
         """A bench of ``routes`` on the study's eval samples, at the protocol's budgets, into ``folder``."""
@@ -471,10 +472,11 @@ class _Stages:
             output=str(self.out / folder),
         )
 
-    def pyramid_control(self, protocol: str) -> None:
-        """4b. The control ``pyramid:<best method>``: PyramidKV's allocation over the method
-        whose homogeneous route did best at each budget (known only once the bench has
-        run), on the same eval samples, into ``bench_<protocol>_controls/``."""
+    def controls(self, protocol: str) -> None:
+        """4b. The controls ``pyramid:<best method>`` (PyramidKV's allocation over layers) and
+        ``adakv:<best method>`` (Ada-KV's over each layer's KV heads) over the method whose
+        homogeneous route did best at each budget (known only once the bench has run), on
+        the same eval samples, into ``bench_<protocol>_controls/``."""
         from learnroute.bench import run_bench
         from learnroute.summary import load_rows
 
@@ -482,7 +484,8 @@ class _Stages:
         rows = load_rows(self.out / f"bench_{protocol}")
         scores = sample_scores(rows, solved_tasks(rows)[1])
         best = {best_homogeneous(scores, json.dumps(b)) for b in config.protocol_budgets(protocol)} - {None}
-        todo = sorted(f"pyramid:{r.split(':', 1)[1]}" for r in best if r.split(":", 1)[1] not in config.pyramid)
+        methods = {r.split(":", 1)[1] for r in best}
+        todo = sorted([f"pyramid:{m}" for m in methods if m not in config.pyramid] + [f"adakv:{m}" for m in methods])
         if not todo:
             return
         self.log(f"stage 4/5: bench ({protocol}) of the control {', '.join(todo)}")
@@ -561,13 +564,15 @@ def _answers(config: StudyConfig, rows: list[dict], main: str, budgets: list[Bud
         by_task = {r: {t: mean(v) for t, v in sorted(ts.items())} for r, ts in cells.items()}
         entry: dict[str, Any] = {"budget": b, "avg": avg, "full": mean(full.values()) if full else None}
         entry["best_homogeneous"] = best_h
-        pyr = f"pyramid:{best_h.split(':', 1)[1]}" if best_h else None
-        entry["pyramid_best"] = pyr if (pyr, bk) in scores else None
+        for kind in CONTROL_KINDS:  # the controls: PyramidKV's and Ada-KV's allocations over that method
+            ctrl = f"{kind}:{best_h.split(':', 1)[1]}" if best_h else None
+            entry[f"{kind}_best"] = ctrl if (ctrl, bk) in scores else None
         if main in avg and best_h:
             m = scores[(main, bk)]
             entry["q1_vs_best_homogeneous"] = paired(m, scores[(best_h, bk)], config.bootstrap)
-            if entry["pyramid_best"]:  # the control: PyramidKV's allocation over that method
-                entry["q1_vs_pyramid_best"] = paired(m, scores[(pyr, bk)], config.bootstrap)
+            for kind in CONTROL_KINDS:
+                if entry[f"{kind}_best"]:
+                    entry[f"q1_vs_{kind}_best"] = paired(m, scores[(entry[f"{kind}_best"], bk)], config.bootstrap)
             for p in ("profile", "profile_alloc"):
                 if (p, bk) in scores:
                     entry[f"q2_vs_{p}"] = paired(m, scores[(p, bk)], config.bootstrap)
@@ -630,7 +635,7 @@ def analyze(folder: str | Path, rescore: bool = False) -> dict[str, Any]:
             continue
         rows = load_rows(bench, rescore=rescore)
         controls = folder / f"bench_{protocol}{CONTROLS}"
-        if (controls / "results.jsonl").is_file():  # the same eval samples, the pyramid control
+        if (controls / "results.jsonl").is_file():  # the same eval samples, the pyramid and adakv controls
             rows += [r for r in load_rows(controls, rescore=rescore) if r["route"] != "full"]
         for r in rows:
             r["route"] = _label(r["route"])
@@ -813,15 +818,16 @@ def to_markdown(result: dict[str, Any], main: str) -> str:
                     lines.append(f"| {e['budget']} | {r} | {100 * v:.1f} | {_ci(sd['q1'][r])} |")
                 lines.append(f"| {e['budget']} | spread | {100 * sd['min']:.1f}-{100 * sd['max']:.1f} "
                              f"(sd {100 * sd['sd']:.1f}) | |")
-        if any(e.get("q1_vs_pyramid_best") for e in res["budgets"]):
-            lines += ["", f"Control: `{main}` minus PyramidKV's allocation over the best homogeneous method "
-                      "(paired, x100):", ""]
-            lines.append("| budget | pyramid route | its score | learned - it |")
+        if any(e.get(f"q1_vs_{k}_best") for k in CONTROL_KINDS for e in res["budgets"]):
+            lines += ["", f"Controls: `{main}` minus PyramidKV's allocation over layers and Ada-KV's over "
+                      "each layer's KV heads, both over the best homogeneous method (paired, x100):", ""]
+            lines.append("| budget | control route | its score | learned - it |")
             lines.append("|---|---|---|---|")
             for e in res["budgets"]:
-                if e.get("pyramid_best"):
-                    lines.append(f"| {e['budget']} | {e['pyramid_best']} | {100 * e['avg'][e['pyramid_best']]:.1f} | "
-                                 f"{_ci(e.get('q1_vs_pyramid_best'))} |")
+                for k in CONTROL_KINDS:
+                    if e.get(f"{k}_best"):
+                        lines.append(f"| {e['budget']} | {e[f'{k}_best']} | {100 * e['avg'][e[f'{k}_best']]:.1f} | "
+                                     f"{_ci(e.get(f'q1_vs_{k}_best'))} |")
         started = sorted({v for e in res["budgets"] for v in e.get("q8_vs_start", {})})
         if started:
             lines += ["", "Q8, each learned route minus its untrained start (`<route>_start`, the same "

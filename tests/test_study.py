@@ -153,9 +153,11 @@ def test_study_end_to_end_then_nothing_to_redo(tiny_dir, tmp_path, monkeypatch, 
         avg = {h: mean(r["score"] for r in raw if r["route"] == h and r["budget"] == b["budget"]) for h in sorted(homog)}
         best = max(sorted(avg), key=avg.get)  # ties: the first by name
         assert b["best_homogeneous"] == best and b["pyramid_best"] == "pyramid:" + best.split(":")[1]
-        assert b["q1_vs_pyramid_best"]["n"] == 4
-        assert {r["sample_id"] for r in controls if r["route"] == b["pyramid_best"] and r["budget"] == b["budget"]} == {
-            r["sample_id"] for r in raw if r["route"] == "full"}
+        assert b["adakv_best"] == "adakv:" + best.split(":")[1]  # Ada-KV's split of each layer over its heads
+        for kind in ("pyramid", "adakv"):
+            assert b[f"q1_vs_{kind}_best"]["n"] == 4
+            assert {r["sample_id"] for r in controls if r["route"] == b[f"{kind}_best"] and r["budget"] == b["budget"]
+                    } == {r["sample_id"] for r in raw if r["route"] == "full"}
     # the adapter variant: a fixed one-method route with its LoRA folder beside it
     adapted = json.loads((out / "routes" / "learned_homog_adapter.json").read_text())
     assert len({layer["method"] for layer in adapted["layers"]}) == 1
