@@ -504,12 +504,13 @@ def _kept_sets(masks: torch.Tensor) -> list[list[set[int]]]:
             for layer in range(masks.shape[0])]
 
 
-@pytest.mark.parametrize("learn", ["budgets", "both"])
-def test_validation_keeps_the_tokens_the_engine_keeps_for_the_exported_route(tiny_dir, tmp_path, learn):
+@pytest.mark.parametrize("learn, granularity", [("budgets", "layer"), ("both", "layer"), ("both", "head")])
+def test_validation_keeps_the_tokens_the_engine_keeps_for_the_exported_route(tiny_dir, tmp_path, learn, granularity):
     """The route validation scores is the route users run: for a trained run, the kept
     positions per (layer, KV head) that validation uses equal those the Engine keeps for
     the exported route.json, rescaled by bench, at a fractional budget (0.2), a token
-    budget (50) and a budget where layers hit the whole context (0.6)."""
+    budget (50) and a budget where layers hit the whole context (0.6). Per-head gates
+    export a per-head route whose heads the engine keeps one by one."""
     from learnroute.bench import BenchConfig, resolve_routes
     from learnroute.gates.export import chosen_checkpoint, gates_from_checkpoint
     from learnroute.models import load_model
@@ -520,7 +521,8 @@ def test_validation_keeps_the_tokens_the_engine_keeps_for_the_exported_route(tin
     Route.from_layers(["tova"] * 4, [0.05, 0.05, 0.4, 0.3]).to_file(shape)  # mean 0.2; layer 2 at 2x the mean
     budgets = [0.2, 50, 0.6]
     cfg = write_config(tmp_path, tiny_dir, budgets=budgets, steps=3, eval_every=1, learn=learn, init_route=str(shape),
-                       init_method="tova" if learn == "budgets" else None, lr=0.2)
+                       init_method="tova" if learn == "budgets" else None, lr=0.2, granularity=granularity,
+                       select="last" if granularity == "head" else "best_val")  # head: trained, so heads differ
     assert train(cfg) == 0
     run = tmp_path / "run"
     config = load_config(T.TrainConfig, run / "config.yaml")
@@ -538,13 +540,17 @@ def test_validation_keeps_the_tokens_the_engine_keeps_for_the_exported_route(tin
     item = T.prepare_item(engine, task, sample, config.methods, False)
     prefill = engine.prefill(teacher_forcing(engine, sample).prompt)
     n = prefill.n_tokens
+    assert benched[0.2].is_per_head == (granularity == "head")
+    if granularity == "head":  # the heads learned budgets of their own
+        assert any(len({h.budget for h in e.heads}) > 1 for e in benched[0.2].layers)
     for b in budgets:
         ours = _kept_sets(gates.hard_masks(item.ranks, validated[b]))
         route = benched[b]
-        counts = engine.kept_counts(route, n, prefill.layer_tokens)
+        counts = engine.kept_head_counts(route, n, prefill.layer_tokens)
         for layer, e in enumerate(route.layers):
-            idx = engine.kept_indices(prefill, layer, e.method, counts[layer], e.mixture)[0]  # (H_kv, k)
-            assert [set(row.tolist()) for row in idx] == ours[layer], (b, layer)
+            kept = [set(engine.kept_indices(prefill, layer, x.method, k, x.mixture)[0, h].tolist())
+                    for h, (x, k) in enumerate(zip(e.head_entries(2), counts[layer]))]  # each head's own
+            assert kept == ours[layer], (b, layer)
 
 
 def _one_sample(tok, n_tokens=200):

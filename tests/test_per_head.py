@@ -187,7 +187,7 @@ def test_what_runs_per_layer_only_refuses_per_head_routes_before_any_forward(tmp
     with pytest.raises(RouteError, match="RoutedPress does not run per-head routes yet"):
         RoutedPress(per_head_route())
     path = per_head_route().to_file(tmp_path / "r.json")
-    with pytest.raises(ConfigError, match="is a per-head route: gates are per layer"):
+    with pytest.raises(ConfigError, match="is a per-head route: with granularity .layer. gates are per layer"):
         from_dict(TrainConfig, {"init_route": str(path), "learn": "budgets"})
 
 
@@ -241,3 +241,84 @@ def test_adakv_route_files_and_bench_specs():
     from learnroute.bench import route_spec_problems
 
     assert route_spec_problems("adakv:snapkv") == [] and "unknown method 'nope'" in route_spec_problems("adakv:nope")[0]
+
+
+# ---------------------------------------------------------------------------- per-head gates
+
+
+def test_per_head_gates_harden_to_exact_per_head_budgets_and_keep_heads_apart():
+    from learnroute.gates.gates import Gates
+
+    free = [True, True, False, True]  # layer 2 is never compressed (a local layer)
+    gates = Gates(["snapkv", "tova", "knorm"], free, n_heads=2, init_methods=["snapkv", "tova", "knorm", "tova"])
+    with torch.no_grad():
+        gates.theta[1, 2] = 9.0  # layer 0, head 1 -> knorm
+        gates.beta.copy_(torch.tensor([0.0, 2.0, 0.0, -1.0, 0.0, 0.0, 1.0, 0.5]))
+    route = gates.harden(30, 200)
+    assert route.is_per_head and route.n_heads == 2 and route.layers[2].heads is None
+    assert [h.method for h in route.layers[0].heads] == ["snapkv", "knorm"]
+    heads = [h.budget for e in route.layers if e.heads for h in e.heads]
+    assert sum(heads) == 30 * 6 and all(isinstance(b, int) for b in heads)  # exact total over 6 free units
+    assert heads[1] > heads[0] and heads[2] > heads[3] and heads[4] > heads[5]  # each head its own share
+    frac = gates.harden(0.2, 200)
+    assert sum(h.budget for e in frac.layers if e.heads for h in e.heads) / 6 == pytest.approx(0.2)
+    # score mixing: a head's mask depends on its own gate only
+    ranks = torch.rand(4, 3, 2, 50)  # (L, M, H, n)
+    gates.theta.requires_grad_(True)
+    masks = gates.soft_masks(ranks, 10.0, temperature=1.0, tau=0.05)  # (L, H, n)
+    assert masks.sum(-1)[[0, 1, 3]].flatten().tolist() == pytest.approx(gates.budgets(10.0, 50)[[0, 1, 2, 3, 6, 7]].tolist(), abs=1e-3)
+    (grad,) = torch.autograd.grad(masks[0, 0].pow(2).sum(), gates.theta)
+    assert grad[0].abs().sum() > 0 and grad[1:].abs().sum() == 0
+
+
+def test_per_head_gates_start_from_a_per_head_route_or_a_per_layer_one(tmp_path):
+    from learnroute.config import from_dict
+    from learnroute.gates.config import TrainConfig
+    from learnroute.gates.start import build_gates
+
+    route = Route([LayerRoute.per_head([LayerRoute("snapkv", 0.3), LayerRoute("tova", 0.1)]), LayerRoute("knorm", 0.2),
+                   LayerRoute.per_head([LayerRoute("tova", 0.25), LayerRoute("snapkv", 0.15)])])
+    path = route.to_file(tmp_path / "r.json")
+    cfg = from_dict(TrainConfig, {"init_route": str(path), "granularity": "head", "methods": ["snapkv", "tova", "knorm"],
+                                  "budget_floor": 0.0})
+    start = build_gates(cfg, 3, [True] * 3, n_heads=2).harden(0.2, 1000)
+    got = [[(h.method, round(h.budget, 6)) for h in e.head_entries(2)] for e in start.layers]
+    assert got == [[(h.method, h.budget) for h in e.head_entries(2)] for e in route.layers]
+    layered = Route.from_layers(["tova", "snapkv", "knorm"], [0.1, 0.3, 0.2]).to_file(tmp_path / "l.json")
+    cfg = from_dict(TrainConfig, {"init_route": str(layered), "granularity": "head",
+                                  "methods": ["snapkv", "tova", "knorm"], "budget_floor": 0.0})
+    start = build_gates(cfg, 3, [True] * 3, n_heads=2).harden(0.2, 1000)
+    assert [h.budget for e in start.layers for h in e.head_entries(2)] == pytest.approx([0.1, 0.1, 0.3, 0.3, 0.2, 0.2])
+
+
+def test_granularity_problems_are_named(tmp_path):
+    from learnroute.config import ConfigError, from_dict
+    from learnroute.gates.config import TrainConfig
+
+    with pytest.raises(ConfigError, match="granularity must be one of layer, head"):
+        from_dict(TrainConfig, {"granularity": "kv"})
+    with pytest.raises(ConfigError, match="granularity: head needs gates that train"):
+        from_dict(TrainConfig, {"granularity": "head", "learn": "none", "init_method": "snapkv"})
+    ada = Route.adakv("snapkv", 4, 0.2).to_file(tmp_path / "a.json")
+    with pytest.raises(ConfigError, match="shares layer budgets across heads"):
+        from_dict(TrainConfig, {"init_route": str(ada)})
+
+
+def test_per_head_training_runs_end_to_end_and_refuses_a_route_for_other_heads(tiny_dir, tmp_path, monkeypatch, capsys):
+    from learnroute.cli import main
+    from learnroute.engine import Engine as E
+    from tests.test_gates import write_config
+
+    cfg = write_config(tmp_path, tiny_dir, granularity="head", steps=2, eval_every=2, save_every=2, select="last")
+    assert main(["train", "--config", str(cfg)]) == 0
+    route = Route.from_file(tmp_path / "run" / "route.json")
+    assert route.is_per_head and route.n_heads == 2
+    assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "x.json"), "--mixture"]) == 0
+    mixed = Route.from_file(tmp_path / "x.json")
+    assert mixed.is_per_head and all(h.mixture for e in mixed.layers for h in e.heads)
+    wrong = Route([LayerRoute.per_head([LayerRoute("tova", 0.2)] * 3)] * 4).to_file(tmp_path / "w.json")
+    cfg = write_config(tmp_path, tiny_dir, granularity="head", init_route=str(wrong), output=str(tmp_path / "run2"))
+    monkeypatch.setattr(E, "prefill", lambda *a: pytest.fail("prefilled before checking the route"))
+    with pytest.raises(SystemExit):
+        main(["train", "--config", str(cfg)])
+    assert "3 heads per per-head layer but the model has 2 KV heads" in capsys.readouterr().err

@@ -13,11 +13,13 @@ from learnroute.gates.config import TrainConfig
 from learnroute.gates.gates import Gates
 from learnroute.route import RouteError
 
-def checkpoint_meta(config: TrainConfig, model_name: str, n_layers: int) -> dict[str, str]:
+def checkpoint_meta(config: TrainConfig, model_name: str, n_layers: int, n_heads: int = 1) -> dict[str, str]:
+    """``n_heads``: gates per layer (1, or the model's KV heads for ``granularity: head``)."""
     return {
         "schema": "learnroute.gates/1",
         "model": model_name,
         "n_layers": str(n_layers),
+        "n_heads": str(n_heads),
         "methods": json.dumps(config.methods),
         "learn": config.learn,
         "budget_floor": json.dumps(config.budget_floor),

@@ -19,6 +19,7 @@ from learnroute.tasks.suite import calibration_problems
 Budget = int | float
 CANDIDATES = ["snapkv", "streaming_llm", "h2o", "tova", "knorm", "expected_attention", "keydiff", "lava"]
 SELECT = ("best_val", "last")
+GRANULARITY = ("layer", "head")
 @dataclass
 class TrainConfig:
     """What ``learnroute train`` learns, on which calibration samples, and how."""
@@ -45,6 +46,11 @@ class TrainConfig:
     )
     methods: list[str] = field(default_factory=lambda: list(CANDIDATES), metadata={"help": "candidate methods"})
     learn: str = field(default="both", metadata={"help": "both | methods | budgets (methods fixed at init)"})
+    granularity: str = field(
+        default="layer",
+        metadata={"help": "layer: one gate (π and budget share) per layer | head: one per (layer, KV head), "
+                          "exported as a per-head route (every registered method scores per KV head)"},
+    )
     mixing: str = field(default="score", metadata={"help": "score: mix ranks then soft top-k; mask: mix soft masks"})
     relaxation: str = field(default="sigmoid", metadata={"help": "differentiable top-k: sigmoid | sinkhorn"})
     budgets: list[Budget] = field(
@@ -203,6 +209,11 @@ class TrainConfig:
         for name in ("entropy_weight", "uniform_weight", "ce_weight", "kl_weight", "first_token_weight", "weight_decay"):
             if getattr(self, name) < 0:
                 problems.append(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.granularity not in GRANULARITY:
+            problems.append(f"granularity must be one of {', '.join(GRANULARITY)}, got {self.granularity!r}")
+        elif self.granularity == "head" and self.learn == "none":
+            problems.append("granularity: head needs gates that train (learn: both, methods or budgets); "
+                            "learn: none trains an adapter for a fixed route")
         if self.select not in SELECT:
             problems.append(f"select must be one of {', '.join(SELECT)}, got {self.select!r}")
         if self.init_route is not None:
@@ -211,9 +222,12 @@ class TrainConfig:
             except RouteError as e:
                 problems.append(f"init_route: {e}")
             else:
-                if route.is_per_head:
-                    problems.append(f"init_route {self.init_route} is a per-head route: gates are per layer "
-                                    "(give a route whose layer entries hold for every head)")
+                if route.is_per_head and self.granularity != "head":
+                    problems.append(f"init_route {self.init_route} is a per-head route: with granularity 'layer' "
+                                    "gates are per layer (use granularity: head, or a per-layer route)")
+                if any(e.share is not None for e in route.layers):
+                    problems.append(f"init_route {self.init_route} shares layer budgets across heads by scores "
+                                    "(share): gates start from fixed budgets")
                 missing = sorted(set(route.methods) - set(self.methods))
                 if missing and self.init_method is None:  # init_method replaces the route's methods
                     problems.append(f"init_route uses methods {missing} that are not candidates {self.methods}")

@@ -23,7 +23,13 @@ from learnroute.gates.config import TrainConfig
 from learnroute.gates.gates import Gates
 from learnroute.gates.start import build_gates
 from learnroute.methods.budgets import Budget
-from learnroute.route import Route, parse_budget
+from learnroute.route import LayerRoute, Route, parse_budget
+
+
+def gate_heads(meta: dict[str, str]) -> int:
+    """Gates per layer of a checkpoint (1 for per-layer gates and checkpoints made before
+    per-head gates existed)."""
+    return int(meta.get("n_heads", "1"))
 
 
 def gates_from_checkpoint(
@@ -35,7 +41,8 @@ def gates_from_checkpoint(
     free = [bool(x) for x in tensors["free"].tolist()]
     if config.learn == "none":
         return cotrain.build_fixed_gates(config, model, n_layers, free), meta
-    gates = Gates(config.methods, free, learn="both", budget_floor=json.loads(meta.get("budget_floor", "0.05")))
+    gates = Gates(config.methods, free, learn="both", budget_floor=json.loads(meta.get("budget_floor", "0.05")),
+                  n_heads=gate_heads(meta))
     with torch.no_grad():
         gates.theta.copy_(tensors["theta"])
         gates.beta.copy_(tensors["beta"])
@@ -67,10 +74,10 @@ def export_route(
         prov = {**route.provenance, "adapter_trained_for": route.provenance.get("source", "route"), **prov}
         return Route(route.layers, model=route.model, provenance=prov, adapter_path=route.adapter_path)
     temperature = config.gate_temperature[1] if temperature is None else temperature
-    pi = torch.softmax(gates.theta.detach() / temperature, -1)  # (L, M)
+    pi = torch.softmax(gates.theta.detach() / temperature, -1)  # (L·H, M): per layer, or per (layer, head)
     mixtures = None
     if mixture:
-        # The argmax method's weight is at least 1/M, so every layer keeps its own method.
+        # The argmax method's weight is at least 1/M, so every unit keeps its own method.
         mixtures = [{m: float(w) for m, w in zip(config.methods, row) if w > 1e-6} for row in pi.tolist()]
     prov = {
         "source": "learned",
@@ -81,7 +88,17 @@ def export_route(
         "pi_temperature": temperature,
         "budget_shares": [round(x, 6) for x in gates.shares().detach().tolist()],
     }
-    return Route.from_layers(route.methods, route.budgets, model=model, mixtures=mixtures, **prov)
+    if not route.is_per_head:
+        return Route.from_layers(route.methods, route.budgets, model=model, mixtures=mixtures, **prov)
+    H = gates.n_heads
+    layers = []
+    for l, e in enumerate(route.layers):
+        if e.heads is None or mixtures is None:
+            layers.append(e)
+            continue
+        mix = [tuple(mixtures[l * H + h].items()) for h in range(H)]
+        layers.append(LayerRoute.per_head([LayerRoute(x.method, x.budget, m) for x, m in zip(e.heads, mix)]))
+    return Route(layers, model=model, provenance=prov)
 
 
 def plot_gates(out: Path, path: Path, config: TrainConfig) -> None:
@@ -92,31 +109,32 @@ def plot_gates(out: Path, path: Path, config: TrainConfig) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    tensors, _ = load_gates(path)
+    tensors, meta = load_gates(path)
     theta = tensors["theta"]
-    pi = torch.softmax(theta / config.gate_temperature[1], -1).numpy()  # (L, M)
+    pi = torch.softmax(theta / config.gate_temperature[1], -1).numpy()  # (L·H, M): one row per gate
     L, M = pi.shape
+    unit = "layer" if gate_heads(meta) == 1 else f"layer x head ({gate_heads(meta)} heads per layer)"
     fig, ax = plt.subplots(figsize=(1.5 + 0.5 * M, 0.22 * L + 1.8))
     im = ax.imshow(pi, aspect="auto", cmap="viridis", vmin=0, vmax=1)
     for layer, j in enumerate(theta.argmax(-1).tolist()):
         ax.add_patch(plt.Rectangle((j - 0.5, layer - 0.5), 1, 1, fill=False, ec="red", lw=1))
     ax.set_xticks(range(M), config.methods, rotation=60, ha="right", fontsize=8)
-    ax.set_ylabel("layer")
+    ax.set_ylabel(unit)
     ax.set_title(f"learned π (T = {config.gate_temperature[1]:g})", fontsize=9)
     fig.colorbar(im, ax=ax, fraction=0.05)
     fig.tight_layout()
     fig.savefig(out / "pi.png", dpi=110)
     plt.close(fig)
-    free = tensors["free"].bool()
+    free = tensors["free"].bool().repeat_interleave(gate_heads(meta))  # (L·H,)
     shares = torch.softmax(tensors["beta"].masked_fill(~free, float("-inf")), 0) * int(free.sum())
     floor = config.budget_floor
     mult = floor + (1 - floor) * shares  # per-layer budget / mean budget (before the context cap)
     fig, ax = plt.subplots(figsize=(max(5, 0.25 * L), 3))
     ax.bar(range(L), mult.numpy())
     ax.axhline(1.0, color="gray", ls="--", lw=1)
-    ax.set_xlabel("layer")
+    ax.set_xlabel(unit)
     ax.set_ylabel("budget / mean budget")
-    ax.set_title("learned per-layer budgets", fontsize=9)
+    ax.set_title(f"learned budgets per {unit.split(' (')[0]}", fontsize=9)
     fig.tight_layout()
     fig.savefig(out / "budgets.png", dpi=110)
     plt.close(fig)
@@ -174,9 +192,10 @@ def export_cli(
         raise ValueError(f"--temperature must be > 0, got {temperature}")
     tensors, meta = load_gates(ckpt, model=model, methods=config.methods)
     n_layers = int(meta["n_layers"])
-    if tensors["theta"].shape != (n_layers, len(config.methods)):
+    units = n_layers * gate_heads(meta)
+    if tensors["theta"].shape != (units, len(config.methods)):
         raise ConfigError(
-            f"checkpoint gates have shape {tuple(tensors['theta'].shape)}, expected ({n_layers}, {len(config.methods)})"
+            f"checkpoint gates have shape {tuple(tensors['theta'].shape)}, expected ({units}, {len(config.methods)})"
         )
     route = export_route(ckpt, config, meta["model"], n_layers, budget=b, mixture=mixture, temperature=temperature)
     if cotrain.has_adapter(tensors):
@@ -192,7 +211,7 @@ def export_start(source: str | Path, out: str | Path) -> Route:
     ckpt, run, config = load_run(source)
     tensors, meta = load_gates(ckpt, methods=config.methods)
     n_layers = int(meta["n_layers"])
-    gates = build_gates(config, n_layers, [bool(x) for x in tensors["free"].tolist()])
+    gates = build_gates(config, n_layers, [bool(x) for x in tensors["free"].tolist()], gate_heads(meta))
     route = gates.harden(config.budgets[0], config.context_tokens, model=meta["model"])
     prov = {**route.provenance, "source": "start", "start_of": str(run), "budget": config.budgets[0],
             "train_config": to_dict(config)}

@@ -14,6 +14,12 @@ Soft keep-masks per (layer, KV head), from each method's scores as ranks in [0, 
 
 Both sum to ``k_l`` per head. Hardening takes the argmax method per layer and rounds the
 budgets to integers with the exact total.
+
+``n_heads`` > 1 (``granularity: head``): one gate per (layer, KV head) instead of per
+layer, "units" ``u = l·H + h``: θ (L·H, M), β (L·H,), budgets water-filled over every free
+(layer, head), masks per head from that head's π and budget, and hardening gives a
+per-head route (:meth:`learnroute.route.LayerRoute.per_head`). The same relaxations,
+floors, caps and rounding: only the number of units changes.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from learnroute.methods.budgets import Budget, floored_weights, mean_tokens, rou
 from learnroute.methods.mixing import mix_ranks
 from learnroute.methods.registry import METHODS
 from learnroute.methods.select import kept_count, select
-from learnroute.route import Route
+from learnroute.route import LayerRoute, Route
 
 MIXING = ("score", "mask")
 LEARN = ("both", "methods", "budgets", "none")  # none: frozen gates (a fixed route; an adapter trains)
@@ -53,6 +59,7 @@ class Gates(nn.Module):
         init_shares: list[float] | None = None,
         init_logit: float = 4.0,
         budget_floor: float = 0.05,
+        n_heads: int = 1,
     ) -> None:
         super().__init__()
         if learn not in LEARN:
@@ -61,16 +68,29 @@ class Gates(nn.Module):
             raise ValueError("learning budgets only needs per-layer methods (init_methods)")
         if not 0.0 <= budget_floor < 1.0:
             raise ValueError(f"budget_floor must be in [0, 1), got {budget_floor}")
+        if n_heads < 1:
+            raise ValueError(f"n_heads must be >= 1, got {n_heads}")
         self.methods = list(methods)
         self.learn = learn
         self.budget_floor = float(budget_floor)
-        self.register_buffer("free", torch.tensor(free, dtype=torch.bool), persistent=False)
-        L, M = len(free), len(methods)
-        theta = torch.zeros(L, M)
+        self.n_heads = int(n_heads)
+        self.register_buffer("free", torch.tensor(free, dtype=torch.bool), persistent=False)  # (L,) per layer
+        # (L·H,): one gate per (layer, KV head) with n_heads > 1, else per layer
+        self.register_buffer("free_units", self.free.repeat_interleave(self.n_heads), persistent=False)
+        L, M, H = len(free), len(methods), self.n_heads
+        U = L * H
+        if init_methods is not None and len(init_methods) == L and H > 1:  # a per-layer start: every head alike
+            init_methods = [m for m in init_methods for _ in range(H)]
+        if init_shares is not None and len(init_shares) == L and H > 1:  # a layer's share split over its heads
+            init_shares = [x / H for x in init_shares for _ in range(H)]
+        for name, given in (("init_methods", init_methods), ("init_shares", init_shares)):
+            if given is not None and len(given) != U:
+                raise ValueError(f"{name} has {len(given)} entries; expected {L} (per layer) or {U} (per layer x head)")
+        theta = torch.zeros(U, M)
         if init_methods is not None:
-            for layer, m in enumerate(init_methods):
-                theta[layer, self.methods.index(m)] = init_logit
-        beta = torch.zeros(L)
+            for unit, m in enumerate(init_methods):
+                theta[unit, self.methods.index(m)] = init_logit
+        beta = torch.zeros(U)
         if init_shares is not None:
             beta = torch.tensor(init_shares, dtype=torch.float32).clamp_min(1e-6).log()
         self.theta = nn.Parameter(theta, requires_grad=learn in ("both", "methods"))
@@ -78,14 +98,14 @@ class Gates(nn.Module):
 
     @property
     def n_layers(self) -> int:
-        return self.theta.shape[0]
+        return self.theta.shape[0] // self.n_heads
 
     # ------------------------------------------------------------------ mixtures and budgets
 
     def mixture(
         self, temperature: float = 1.0, *, gumbel: torch.Generator | None = None, straight_through: bool = False
     ) -> torch.Tensor:
-        """π (L, M): softmax(θ / T), Gumbel-perturbed when a generator is given; with
+        """π (L·H, M) per unit (per layer when n_heads is 1): softmax(θ / T), Gumbel-perturbed when a generator is given; with
         ``straight_through`` the forward value is the one-hot argmax and the gradient is
         the soft one's. Methods that do not train are one-hot at their argmax."""
         if not self.theta.requires_grad:
@@ -94,33 +114,33 @@ class Gates(nn.Module):
         if gumbel is not None:
             u = torch.rand(logits.shape, generator=gumbel).clamp(1e-10, 1 - 1e-10).to(logits.device)
             logits = logits - torch.log(-torch.log(u))  # + Gumbel(0, 1) noise
-        pi = torch.softmax(logits / temperature, dim=-1)  # (L, M)
+        pi = torch.softmax(logits / temperature, dim=-1)  # (L·H, M)
         if straight_through:
             hard = torch.nn.functional.one_hot(pi.argmax(-1), pi.shape[-1]).to(pi.dtype)
             pi = hard + (pi - pi.detach())  # exactly one-hot forward: (1 + p) - p is not 1 in float32
         return pi
 
     def hard_mixture(self) -> torch.Tensor:
-        """One-hot π (L, M) at each layer's argmax method (what hardening keeps)."""
+        """One-hot π (L·H, M) at each unit's argmax method (what hardening keeps)."""
         return torch.nn.functional.one_hot(self.theta.detach().argmax(-1), len(self.methods)).float()
 
     def shares(self) -> torch.Tensor:
-        """Budget shares (L,) over the free layers (zero on fixed ones), summing to 1."""
-        logits = self.beta.masked_fill(~self.free, float("-inf"))
+        """Budget shares (L·H,) over the free units (zero on fixed ones), summing to 1."""
+        logits = self.beta.masked_fill(~self.free_units, float("-inf"))
         return torch.softmax(logits, dim=0)
 
     def budgets(self, mean_k: float, n: int) -> torch.Tensor:
-        """Soft per-layer budgets (L,) in tokens for a mean of ``mean_k`` tokens per free
-        layer and a context of ``n`` tokens: weights ``floor + (1 - floor)·L·share`` water-
-        filled to the total ``L_free · mean_k`` with each layer capped at ``n``
+        """Soft per-unit budgets (L·H,) in tokens for a mean of ``mean_k`` tokens per free
+        unit and a context of ``n`` tokens: weights ``floor + (1 - floor)·U·share`` water-
+        filled to the total ``U_free · mean_k`` with each unit capped at ``n``
         (:mod:`learnroute.methods.budgets`). Fixed layers get ``n`` (never compressed)."""
-        free = self.free
+        free = self.free_units
         n_free = int(free.sum())
         mean_k = min(float(mean_k), float(n))
-        k = torch.full_like(self.beta, float(n))  # (L,)
+        k = torch.full_like(self.beta, float(n))  # (L·H,)
         if n_free == 0:
             return k
-        w = floored_weights(self.shares()[free], self.budget_floor)  # (L_free,), mean 1
+        w = floored_weights(self.shares()[free], self.budget_floor)  # (U_free,), mean 1
         return k.masked_scatter(free, water_fill(w, mean_k * n_free, float(n)))
 
     def harden(self, budget: Budget, context_tokens: int, model: str | None = None) -> Route:
@@ -128,11 +148,12 @@ class Gates(nn.Module):
         from the learned shares (fractions of the context for a fractional budget; tokens
         with the exact total ``L_free · min(budget, context_tokens)`` for a token budget,
         each layer at most ``context_tokens``). Fixed layers keep the nominal budget (the
-        engine never compresses them). This is the route export writes and validation runs."""
-        free = self.free.tolist()
+        engine never compresses them). This is the route export writes and validation runs.
+        With n_heads > 1 every free layer is a per-head entry (each head's argmax and budget)."""
+        free = self.free_units.tolist()
         n = int(context_tokens)
         k = self.budgets(mean_tokens(budget, n), n).detach().tolist()
-        budgets: list[Budget] = [budget] * self.n_layers
+        budgets: list[Budget] = [budget] * len(free)
         idx = [i for i, f in enumerate(free) if f]
         if isinstance(budget, float):
             for i in idx:
@@ -142,7 +163,15 @@ class Gates(nn.Module):
             for i, b in zip(idx, ints):
                 budgets[i] = b
         methods = [self.methods[i] for i in self.theta.detach().argmax(-1).tolist()]
-        return Route.from_layers(methods, budgets, model=model)
+        H = self.n_heads
+        if H == 1:
+            return Route.from_layers(methods, budgets, model=model)
+        layers = [
+            LayerRoute.per_head([LayerRoute(methods[u], budgets[u]) for u in range(l * H, (l + 1) * H)])
+            if self.free[l] else LayerRoute(methods[l * H], budget)  # never compressed: nominal
+            for l in range(self.n_layers)
+        ]
+        return Route(layers, model=model)
 
     # ------------------------------------------------------------------ masks
 
@@ -170,22 +199,28 @@ class Gates(nn.Module):
         ~0.15 each, so the soft route reads the context far less than its hard route does.
         """
         L, M, H, n = ranks.shape
-        pi = self.mixture(temperature, gumbel=gumbel, straight_through=straight_through)  # (L, M)
-        k = self.budgets(mean_k, n)  # (L,)
+        if self.n_heads not in (1, H):
+            raise ValueError(f"gates for {self.n_heads} heads per layer, but the ranks have {H} KV heads")
+        pi = self.mixture(temperature, gumbel=gumbel, straight_through=straight_through)  # (L·G, M), G = n_heads
+        k = self.budgets(mean_k, n)  # (L·G,)
         if tau_scale == "budget":
-            t = tau * (k.detach() / n).clamp_min(1.0 / n)  # (L,): per-layer temperature in rank units
+            t = tau * (k.detach() / n).clamp_min(1.0 / n)  # (L·G,): per-unit temperature in rank units
         elif tau_scale == "rank":
             t = torch.full_like(k, float(tau))
         else:
             raise ValueError(f"tau_scale must be 'rank' or 'budget', got {tau_scale!r}")
+        G = self.n_heads
+        k, t = k.view(L, G).expand(L, H), t.view(L, G).expand(L, H)  # (L, H): per head (G = 1: the layer's)
+        pi_h = pi.view(L, G, M).expand(L, H, M)  # (L, H, M)
         if mixing == "score":
-            mixed = mix_ranks(ranks, pi)  # (L, H, n)
-            masks = soft_topk(relaxation, mixed, k[:, None].expand(L, H), t[:, None].expand(L, H))  # (L, H, n)
+            # G = 1: mix_ranks over the layer's π, as before per-head gates existed
+            mixed = mix_ranks(ranks, pi) if G == 1 else torch.einsum("lmhn,lhm->lhn", ranks, pi_h.to(ranks.dtype))
+            masks = soft_topk(relaxation, mixed, k, t)  # (L, H, n)
         elif mixing == "mask":
             per_method = soft_topk(
-                relaxation, ranks, k[:, None, None].expand(L, M, H), t[:, None, None].expand(L, M, H)
+                relaxation, ranks, k[:, None, :].expand(L, M, H), t[:, None, :].expand(L, M, H)
             )  # (L, M, H, n)
-            masks = torch.einsum("lmhn,lm->lhn", per_method, pi)  # (L, H, n)
+            masks = torch.einsum("lmhn,lhm->lhn", per_method, pi_h)  # (L, H, n)
         else:
             raise ValueError(f"mixing must be one of {', '.join(MIXING)}, got {mixing!r}")
         return torch.where(self.free[:, None, None], masks, torch.ones_like(masks))
@@ -198,15 +233,15 @@ class Gates(nn.Module):
     def share_divergence(self) -> torch.Tensor:
         """KL(uniform || shares) over the free layers (nats): 0 for uniform budgets, large
         when layers are starved (a share near 0 costs ``log(1 / (L·share))``)."""
-        shares = self.shares()[self.free]  # (L_free,)
+        shares = self.shares()[self.free_units]  # (U_free,)
         L = shares.shape[0]
         return (torch.log(torch.tensor(1.0 / L)) - torch.log(shares.clamp_min(1e-30))).mean()
 
     def entropy(self, temperature: float = 1.0) -> torch.Tensor:
         """Mean entropy of π over the free layers (nats); the sharpening term's value."""
-        logp = torch.log_softmax(self.theta / temperature, dim=-1)  # (L, M)
-        ent = -(logp.exp() * logp).sum(-1)  # (L,)
-        return ent[self.free].mean()
+        logp = torch.log_softmax(self.theta / temperature, dim=-1)  # (L·H, M)
+        ent = -(logp.exp() * logp).sum(-1)  # (L·H,)
+        return ent[self.free_units].mean()
 
 
 def route_masks(route: Route, ranks: torch.Tensor, methods: list[str], free: list[bool]) -> torch.Tensor:
@@ -218,8 +253,14 @@ def route_masks(route: Route, ranks: torch.Tensor, methods: list[str], free: lis
     L, _, H, n = ranks.shape
     masks = torch.ones(L, H, n, dtype=ranks.dtype, device=ranks.device)  # (L, H, n)
     for layer, e in enumerate(route.layers):
-        k = kept_count(e.budget, n, keeps_all=METHODS[e.method].keeps_all, fixed=not free[layer])
-        idx = select(e.method, e.mixture, k, n, lambda m: ranks[layer, methods.index(m)][None])  # (1, H, k)
-        if idx is not None:
-            masks[layer] = torch.zeros_like(masks[layer]).scatter_(-1, idx[0], 1.0)  # (H, n)
+        if e.share is not None:
+            raise ValueError(f"layer {layer} shares its budget across heads by scores (share={e.share!r}): "
+                             "gates train and validate routes with fixed per-layer or per-head budgets")
+        # every head at once, or head by head in a per-head layer
+        entries = [(slice(None), e)] if e.heads is None else [(slice(h, h + 1), x) for h, x in enumerate(e.heads)]
+        for rows, entry in entries:
+            k = kept_count(entry.budget, n, keeps_all=METHODS[entry.method].keeps_all, fixed=not free[layer])
+            idx = select(entry.method, entry.mixture, k, n, lambda m: ranks[layer, methods.index(m)][None])  # (1, H, k)
+            if idx is not None:
+                masks[layer, rows] = torch.zeros_like(masks[layer, rows]).scatter_(-1, idx[0, rows], 1.0)  # (H or 1, n)
     return masks

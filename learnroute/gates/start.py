@@ -13,27 +13,40 @@ from learnroute.gates.gates import Gates
 from learnroute.route import Route
 
 
-def init_from(config: TrainConfig, n_layers: int, free: list[bool] | None = None) -> tuple[list[str] | None, list[float] | None]:
-    """Initial per-layer methods and budget shares from ``init_route`` / ``init_method``
-    (both: the route's budget shape with ``init_method`` in every layer). The shape is
-    read over the ``free`` layers (those routes compress; default all)."""
+def init_from(
+    config: TrainConfig, n_layers: int, free: list[bool] | None = None, n_heads: int = 1
+) -> tuple[list[str] | None, list[float] | None]:
+    """Initial methods and budget shares from ``init_route`` / ``init_method`` (both: the
+    route's budget shape with ``init_method`` everywhere), per layer, or per (layer, KV
+    head) for a per-head route and ``n_heads`` > 1 gates. The shape is read over the
+    ``free`` layers (those routes compress; default all)."""
     if config.init_route is None:
         return ([config.init_method] * n_layers if config.init_method is not None else None), None
     route = Route.from_file(config.init_route)
     route.check_layers(n_layers, "the model")
     free = [True] * n_layers if free is None else free
-    budgets = [b for b, f in zip(route.budgets, free) if f]
+    if route.is_per_head and n_heads > 1:  # one unit per (layer, head): the gates' own layout
+        route.check_heads(n_heads)
+        entries = [h for e in route.layers for h in e.head_entries(n_heads)]
+        free = [f for f in free for _ in range(n_heads)]
+        methods = [h.method for h in entries]
+        all_budgets = [h.budget for h in entries]
+    else:
+        methods, all_budgets = route.methods, route.budgets
+    budgets = [b for b, f in zip(all_budgets, free) if f]
     shares = None
     if len({isinstance(b, float) for b in budgets}) == 1 and len(set(budgets)) > 1:
-        # Invert the gates' budget map k_l = mean·(f + (1 - f)·L·share_l), L and the mean
-        # over the free layers, so the initial soft budgets reproduce the route's shape
-        # (layers below the floor get ~0 share; fixed layers none).
+        # Invert the gates' budget map k_u = mean·(f + (1 - f)·U·share_u), U and the mean
+        # over the free units, so the initial soft budgets reproduce the route's shape
+        # (units below the floor get ~0 share; fixed layers none).
         mean = float(sum(budgets)) / len(budgets)
         f, L = config.budget_floor, len(budgets)
-        shares = [max(float(b) / mean - f, 0.0) / (L * (1 - f)) if ok else 0.0 for b, ok in zip(route.budgets, free)]
+        shares = [max(float(b) / mean - f, 0.0) / (L * (1 - f)) if ok else 0.0 for b, ok in zip(all_budgets, free)]
         total = sum(shares)
         shares = [x / total for x in shares] if total > 0 else None
-    return ([config.init_method] * n_layers if config.init_method is not None else route.methods), shares
+    if config.init_method is not None:
+        methods = [config.init_method] * len(methods)
+    return methods, shares
 
 
 def initial_logit(config: TrainConfig) -> float:
@@ -46,11 +59,12 @@ def initial_logit(config: TrainConfig) -> float:
     return config.gate_temperature[0] * math.log(p * (m - 1) / (1 - p))
 
 
-def build_gates(config: TrainConfig, n_layers: int, free: list[bool]) -> Gates:
-    """The run's initial gates (``learn: none``: frozen at the route, hard masks)."""
+def build_gates(config: TrainConfig, n_layers: int, free: list[bool], n_heads: int = 1) -> Gates:
+    """The run's initial gates (``learn: none``: frozen at the route, hard masks); one gate
+    per (layer, KV head) when ``n_heads`` > 1 (``granularity: head``)."""
     if config.learn == "none":
         return cotrain.build_fixed_gates(config, None, n_layers, free)
-    methods, shares = init_from(config, n_layers, free)
+    methods, shares = init_from(config, n_layers, free, n_heads)
     return Gates(
         config.methods,
         free,
@@ -59,4 +73,5 @@ def build_gates(config: TrainConfig, n_layers: int, free: list[bool]) -> Gates:
         init_shares=shares,
         init_logit=initial_logit(config),
         budget_floor=config.budget_floor,
+        n_heads=n_heads,
     )

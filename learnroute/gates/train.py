@@ -46,7 +46,7 @@ from learnroute.gates.config import CANDIDATES, SELECT, TrainConfig, optimisatio
 from learnroute.gates.gates import Gates
 from learnroute.gates.start import init_from, build_gates
 from learnroute.methods.budgets import Budget, mean_tokens
-from learnroute.route import Route
+from learnroute.route import Route, RouteError
 
 __all__ = ["CANDIDATES", "SELECT", "TrainConfig", "TrainingError", "run_train", "shared_calibration"]
 logger = logging.getLogger("learnroute.train")
@@ -234,7 +234,8 @@ def _setup(config: TrainConfig, overwrite: bool, progress: bool) -> _Run:
     model, tokenizer = load_model(config.model)
     model.to(acc.device)
     engine = Engine(model, tokenizer, query_aware=config.query_aware)
-    init_from(config, engine.n_layers)  # a warm-start route for another layer count fails here, before any prefill
+    # a warm-start route for another layer (or head) count fails here, before any prefill
+    init_from(config, engine.n_layers, n_heads=engine.n_kv_heads if config.granularity == "head" else 1)
     return _Run(config, acc, out, log, model, engine, model_name(model), progress)
 
 
@@ -357,8 +358,9 @@ class _Trainer:
         first = next(iter(items.values())) if items else self.stream.item(*self.stream.drawn(0)[0])
         engine = run.engine
         free = [not engine.is_fixed(layer, int(first.kv[layer][0].shape[2]), first.n_tokens) for layer in range(engine.n_layers)]
-        self.gates = build_gates(config, engine.n_layers, free).to(run.acc.device)
-        self.meta = checkpoint_meta(config, run.name, engine.n_layers)
+        heads = engine.n_kv_heads if config.granularity == "head" else 1  # gates per layer
+        self.gates = build_gates(config, engine.n_layers, free, heads).to(run.acc.device)
+        self.meta = checkpoint_meta(config, run.name, engine.n_layers, heads)
         self.params = [p for p in (self.gates.theta, self.gates.beta) if p.requires_grad]
         groups = [{"params": self.params}] if self.params else []
         self.lora = None
@@ -543,6 +545,9 @@ def run_train(config: TrainConfig, overwrite: bool = False, progress: bool = Tru
 
 def _resume(ckpt: Path, gates: Gates, optimizer, model: str, n_layers: int, methods: list[str]):
     tensors, meta = load_gates(ckpt, model=model, n_layers=n_layers, methods=methods)
+    if tensors["theta"].shape != gates.theta.shape:  # per-layer gates resumed per head, or the reverse
+        raise RouteError(f"checkpoint {ckpt} holds gates of shape {tuple(tensors['theta'].shape)}, this run's are "
+                         f"{tuple(gates.theta.shape)} (granularity changed?)")
     with torch.no_grad():
         gates.theta.copy_(tensors["theta"])
         gates.beta.copy_(tensors["beta"])
