@@ -601,6 +601,15 @@ def _answers(config: StudyConfig, rows: list[dict], main: str, budgets: list[Bud
                     "q1": {r: paired(scores[(r, bk)], scores[(best_h, bk)], config.bootstrap) for r in seeded},
                 }
             entry["best_homogeneous_rel_full"] = h / f if f else None
+        # Q9: each per-head learned route minus the main (per-layer) route and the head-level
+        # allocator adakv:<best homogeneous method>
+        heads = [route_name(v) for v, d in config.variants.items() if d.get("granularity") == "head"]
+        ada = entry.get("adakv_best")
+        entry["q9_per_head"] = {
+            r: {"vs_main": paired(scores[(r, bk)], scores[(main, bk)], config.bootstrap) if main in avg else None,
+                "vs_adakv": paired(scores[(r, bk)], scores[(ada, bk)], config.bootstrap) if ada else None}
+            for r in heads if (r, bk) in scores
+        }
         # Q8: every learned route minus its own untrained start (learning's credit)
         entry["q8_vs_start"] = {
             r[: -len(START)]: paired(scores[(r[: -len(START)], bk)], scores[(r, bk)], config.bootstrap)
@@ -828,6 +837,16 @@ def to_markdown(result: dict[str, Any], main: str) -> str:
                     if e.get(f"{k}_best"):
                         lines.append(f"| {e['budget']} | {e[f'{k}_best']} | {100 * e['avg'][e[f'{k}_best']]:.1f} | "
                                      f"{_ci(e.get(f'q1_vs_{k}_best'))} |")
+        per_head = sorted({v for e in res["budgets"] for v in e.get("q9_per_head", {})})
+        if per_head:
+            lines += ["", "Q9, per-head learning (`granularity: head`): each per-head route minus the main "
+                      f"per-layer route `{main}`, and minus `adakv:<best homogeneous method>` (paired, x100):", ""]
+            lines.append("| route | versus | " + " | ".join(str(e["budget"]) for e in res["budgets"]) + " |")
+            lines.append("|---|---|" + "---|" * len(res["budgets"]))
+            for v in per_head:
+                for key, label in (("vs_main", main), ("vs_adakv", "adakv:<best>")):
+                    lines.append(f"| {v} | {label} | " + " | ".join(
+                        _ci(e.get("q9_per_head", {}).get(v, {}).get(key)) for e in res["budgets"]) + " |")
         started = sorted({v for e in res["budgets"] for v in e.get("q8_vs_start", {})})
         if started:
             lines += ["", "Q8, each learned route minus its untrained start (`<route>_start`, the same "

@@ -10,6 +10,7 @@ import yaml
 from learnroute import study as S
 from learnroute.cli import main
 from learnroute.config import ConfigError, load_config
+from learnroute.route import Route
 
 
 def study_config(tmp_path, tiny_dir):
@@ -29,6 +30,7 @@ def study_config(tmp_path, tiny_dir):
             "budgets_only": {"learn": "budgets", "init_method": "@profile_best"},
             "warm": {"init_route": "@profile_alloc", "lr": 0.01},
             "homog_adapter": {"learn": "none", "adapter": True, "init_method": "@profile_best", "lora_rank": 2},
+            "per_head": {"learn": "budgets", "init_method": "@profile_best", "granularity": "head"},
         },
         "mixture_of": ["learned"],
         "per_budget": True,
@@ -62,6 +64,7 @@ def test_study_end_to_end_then_nothing_to_redo(tiny_dir, tmp_path, monkeypatch, 
             assert b["q1_vs_best_homogeneous"]["n"] == 4  # paired over the 4 eval samples
             assert set(b["q6_variants"]) == {
                 "learned_budgets_only", "learned_warm", "learned_mixture", "learned_homog_adapter",
+                "learned_per_head",  # granularity: head, a per-head route
                 "learned_per_budget",  # learned@0.25 at 0.25, learned@40 at 40 (aware: @0.5): one row
             }
     # per task: the learned route's mean over that task's samples, from the raw rows
@@ -111,7 +114,14 @@ def test_study_end_to_end_then_nothing_to_redo(tiny_dir, tmp_path, monkeypatch, 
     # the control (question 8): each warm-started variant's untrained start, benched beside it
     assert not (out / "routes" / "learned_start.json").exists()  # `learned` starts cold: no start to bench
     for b in result["protocols"]["agnostic"]["budgets"]:
-        assert set(b["q8_vs_start"]) == {"learned_budgets_only", "learned_warm", "learned_homog_adapter"}
+        assert set(b["q8_vs_start"]) == {"learned_budgets_only", "learned_warm", "learned_homog_adapter",
+                                         "learned_per_head"}
+    per_head = Route.from_file(out / "routes" / "learned_per_head.json")
+    assert per_head.is_per_head and per_head.n_heads == 2  # the tiny Llama's KV heads
+    for b in result["protocols"]["agnostic"]["budgets"]:  # Q9: per-head minus per-layer main and adakv
+        q9 = b["q9_per_head"]["learned_per_head"]
+        assert q9["vs_main"]["n"] == 4 and q9["vs_adakv"]["n"] == 4
+    assert "Q9, per-head learning" in (out / "study.md").read_text()
     start = json.loads((out / "routes" / "learned_budgets_only_start.json").read_text())
     assert start["provenance"]["source"] == "start"
     # the adapter variant's start (the profile's best method, uniform budgets, no adapter) is
