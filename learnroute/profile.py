@@ -15,6 +15,11 @@ keep exactly the same tokens at a layer share one row (and get the same damage).
 Route files: ``profile_<budget>.json`` picks per layer the least damaging method (ties go
 to the method listed first); ``profile_<budget>_alloc.json`` also shares the total budget
 across layers in proportion to each layer's sensitivity (its damage with its best method).
+
+``granularity: head``: the same per (layer, KV head): only head ``h`` of layer ``l`` is
+compressed (the layer's other heads keep the whole context), an L x H_kv x M damage
+tensor, and per-head routes (each head's least damaging method; budgets shared over
+every (layer, head) by sensitivity). H_kv times the cells of a per-layer profile.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import torch
 from learnroute.config import to_dict
 from learnroute.methods.budgets import allocate_shares, resolve_budget
 from learnroute.methods.registry import METHODS
-from learnroute.route import Route, RouteError, budget_problem
+from learnroute.route import LayerRoute, Route, RouteError, budget_problem
 from learnroute.runs import device_problem
 from learnroute.tasks.ruler import Sample
 from learnroute.tasks.suite import calibration_problems, load_tasks
@@ -50,6 +55,7 @@ CANDIDATES = [
     "random",
 ]
 DAMAGES = ("kl", "nll")
+GRANULARITY = ("layer", "head")
 
 
 @dataclass
@@ -65,6 +71,11 @@ class ProfileConfig:
     budgets: list[Budget] = field(default_factory=lambda: [64], metadata={"help": "budgets to profile"})
     methods: list[str] = field(default_factory=lambda: list(CANDIDATES), metadata={"help": "candidate methods"})
     select_by: str = field(default="kl", metadata={"help": "damage used to pick methods: kl or nll"})
+    granularity: str = field(
+        default="layer",
+        metadata={"help": "layer: compress one layer per cell | head: one KV head of one layer per cell "
+                          "(H_kv times the cells; per-head routes)"},
+    )
     query_aware: bool = field(default=False, metadata={"help": "put the question in the prefill (scored)"})
     seed: int = field(default=0, metadata={"help": "seed of the calibration sample stream"})
     device: str = field(
@@ -89,6 +100,8 @@ class ProfileConfig:
                 )
         if len(set(self.methods)) != len(self.methods):
             problems.append("methods lists a method twice")
+        if self.granularity not in GRANULARITY:
+            problems.append(f"granularity must be one of {', '.join(GRANULARITY)}, got {self.granularity!r}")
         if self.select_by not in DAMAGES:
             problems.append(f"select_by must be one of {', '.join(DAMAGES)}, got {self.select_by!r}")
         if self.context_tokens < 16:
@@ -136,8 +149,11 @@ def teacher_forcing(engine, sample: Sample) -> TeacherForcing:
 
 
 @torch.no_grad()
-def sample_damage(engine, sample: Sample, budgets: list[Budget], methods: list[str]) -> dict[str, Any]:
-    """Damage matrices of one sample: ``{"kl": {budget: L x M}, "nll": {...}, ...}``.
+def sample_damage(
+    engine, sample: Sample, budgets: list[Budget], methods: list[str], granularity: str = "layer"
+) -> dict[str, Any]:
+    """Damage matrices of one sample: ``{"kl": {budget: L x M}, "nll": {...}, ...}``
+    (``granularity="head"``: L x H_kv x M, one KV head compressed per cell).
 
     ``engine`` is a :class:`learnroute.engine.Engine`; its prefill and method scores are
     reused for every cell.
@@ -170,31 +186,38 @@ def sample_damage(engine, sample: Sample, budgets: list[Budget], methods: list[s
     }
     t_cells = time.perf_counter()
     out: dict[str, Any] = {"kl": {}, "nll": {}, "n_tokens": n, "answer_tokens": a, "fixed_layers": fixed}
+    heads = [None] if granularity == "layer" else list(range(engine.n_kv_heads))
     for budget in budgets:
-        kl = torch.zeros(L, M)
-        nll = torch.zeros(L, M)
+        kl = torch.zeros(L, len(heads), M)
+        nll = torch.zeros(L, len(heads), M)
         for layer in range(L):
             if layer in fixed:
                 continue
-            # Distinct kept-index sets among the methods (identical sets share one row).
-            rows: list[torch.Tensor] = []
-            row_of: list[int] = []
-            for m in methods:
-                idx = kept[(layer, m, budget)]  # (1, H_kv, k)
-                for r, other in enumerate(rows):
-                    if other.shape == idx.shape and torch.equal(other, idx):
-                        row_of.append(r)
-                        break
-                else:
-                    row_of.append(len(rows))
-                    rows.append(idx)
-            R = len(rows)
-            cell_logits = _packed_cells(model, prefill, full_kv, layer, rows, inputs[layer], pos, keep)  # (R, a, V)
-            logp = torch.log_softmax(cell_logits.float(), -1)  # (R, a, V)
-            row_kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1).mean(-1)  # (R,)
-            row_nll = -logp.gather(-1, target[None, :, None].expand(R, -1, 1)).squeeze(-1).mean(-1) - ref_nll  # (R,)
-            kl[layer] = row_kl[row_of].cpu()
-            nll[layer] = row_nll[row_of].cpu()
+            for j, head in enumerate(heads):
+                # Distinct kept-index sets among the methods (identical sets share one row);
+                # per head, only that head's set matters.
+                rows: list[torch.Tensor] = []
+                row_of: list[int] = []
+                for m in methods:
+                    idx = kept[(layer, m, budget)]  # (1, H_kv, k)
+                    mine = idx if head is None else idx[:, head]
+                    for r, other in enumerate(rows):
+                        theirs = other if head is None else other[:, head]
+                        if theirs.shape == mine.shape and torch.equal(theirs, mine):
+                            row_of.append(r)
+                            break
+                    else:
+                        row_of.append(len(rows))
+                        rows.append(idx)
+                R = len(rows)
+                cell_logits = _packed_cells(model, prefill, full_kv, layer, rows, inputs[layer], pos, keep, head)
+                logp = torch.log_softmax(cell_logits.float(), -1)  # (R, a, V)
+                row_kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1).mean(-1)  # (R,)
+                row_nll = -logp.gather(-1, target[None, :, None].expand(R, -1, 1)).squeeze(-1).mean(-1) - ref_nll
+                kl[layer, j] = row_kl[row_of].cpu()
+                nll[layer, j] = row_nll[row_of].cpu()
+        if granularity == "layer":
+            kl, nll = kl[:, 0], nll[:, 0]  # (L, M)
         out["kl"][json.dumps(budget)] = kl.tolist()
         out["nll"][json.dumps(budget)] = nll.tolist()
     out["seconds"] = {
@@ -205,25 +228,50 @@ def sample_damage(engine, sample: Sample, budgets: list[Budget], methods: list[s
     return out
 
 
-def _packed_cells(model, prefill, full_kv, layer: int, rows: list[torch.Tensor], hidden, pos, keep: slice):
-    """Logits (R, a, V) of R cells that compress ``layer`` with R kept-index sets.
+def _packed_cells(
+    model, prefill, full_kv, layer: int, rows: list[torch.Tensor], hidden, pos, keep: slice, head: int | None = None
+):
+    """Logits (R, a, V) of R cells that compress ``layer`` with R kept-index sets (1, H_kv, k);
+    with ``head``, only that KV head is compressed (its row of each set; the other heads
+    keep the whole context).
 
     The R cells run as ONE sequence of R x t tokens rather than a batch of R: every layer
     above ``layer`` then holds the shared full context once instead of R copies (copying
     it dominated the cost), and a block mask keeps the cells apart: a cell's tokens see the
     context (at ``layer``: only its own kept tokens) and the earlier tokens of the same
     cell. Positions repeat per cell, so each cell sees exactly what a separate run would.
+    Per head, ``layer`` holds every cell's whole context and the mask hides, for the query
+    heads of KV head ``head`` only, the tokens that head evicts in that cell.
     """
     from learnroute import _hf
 
     R, t = len(rows), hidden.shape[1]
     cap = prefill.layers[layer]
     _, h_kv, n, d = cap.keys.shape
-    k = rows[0].shape[-1]
-    gidx = torch.cat(rows).unsqueeze(-1).expand(-1, -1, -1, d)  # (R, H_kv, k, d)
-    # (R, H_kv, k, d) -> (1, H_kv, R*k, d): cell r's kept tokens are keys r*k .. r*k+k-1
-    kept_k = cap.keys.expand(R, -1, -1, -1).gather(2, gidx).transpose(0, 1).reshape(1, h_kv, R * k, d)
-    kept_v = cap.values.expand(R, -1, -1, -1).gather(2, gidx).transpose(0, 1).reshape(1, h_kv, R * k, d)
+    dev = hidden.device  # the masks and offsets live with the model
+    cell = torch.arange(R, device=dev).repeat_interleave(t)  # (R*t,) cell of each packed token
+    step = torch.arange(t, device=dev).repeat(R)  # (R*t,) position inside its cell
+    own = (cell[:, None] == cell[None, :]) & (step[None, :] <= step[:, None])  # (R*t, R*t) causal per cell
+    if head is None:
+        k = rows[0].shape[-1]
+        gidx = torch.cat(rows).unsqueeze(-1).expand(-1, -1, -1, d)  # (R, H_kv, k, d)
+        # (R, H_kv, k, d) -> (1, H_kv, R*k, d): cell r's kept tokens are keys r*k .. r*k+k-1
+        kept_k = cap.keys.expand(R, -1, -1, -1).gather(2, gidx).transpose(0, 1).reshape(1, h_kv, R * k, d)
+        kept_v = cap.values.expand(R, -1, -1, -1).gather(2, gidx).transpose(0, 1).reshape(1, h_kv, R * k, d)
+        ctx_kept = cell[:, None] == torch.arange(R, device=dev).repeat_interleave(k)[None, :]  # (R*t, R*k)
+        mask_layer = torch.cat([ctx_kept, own], 1)[None, None]  # (1, 1, R*t, R*k + R*t)
+    else:
+        kept_k = cap.keys.repeat(1, 1, R, 1)  # (1, H_kv, R*n, d): cell r's context is keys r*n .. r*n+n-1
+        kept_v = cap.values.repeat(1, 1, R, 1)
+        same = cell[:, None] == torch.arange(R, device=dev).repeat_interleave(n)[None, :]  # (R*t, R*n)
+        kept = torch.zeros(R, n, dtype=torch.bool, device=dev)  # (R, n): what ``head`` keeps per cell
+        for r, idx in enumerate(rows):
+            kept[r, idx[0, head]] = True
+        h_q = int(_hf.text_config(model).num_attention_heads)
+        group = h_q // h_kv  # query heads per KV head (GQA)
+        ctx = same[None].repeat(h_q, 1, 1)  # (H_q, R*t, R*n)
+        ctx[head * group : (head + 1) * group] &= kept.reshape(1, 1, R * n)
+        mask_layer = torch.cat([ctx, own[None].expand(h_q, -1, -1)], 2)[None]  # (1, H_q, R*t, R*n + R*t)
     kv = []
     for j, (keys, values) in enumerate(full_kv):
         if j < layer:
@@ -232,14 +280,8 @@ def _packed_cells(model, prefill, full_kv, layer: int, rows: list[torch.Tensor],
             kv.append((kept_k, kept_v))
         else:
             kv.append((keys, values))  # (1, H_kv, n, d), shared by every cell
-    dev = hidden.device  # the masks and offsets live with the model
-    cell = torch.arange(R, device=dev).repeat_interleave(t)  # (R*t,) cell of each packed token
-    step = torch.arange(t, device=dev).repeat(R)  # (R*t,) position inside its cell
-    own = (cell[:, None] == cell[None, :]) & (step[None, :] <= step[:, None])  # (R*t, R*t) causal per cell
     ctx_full = torch.ones(R * t, n, dtype=torch.bool, device=dev)  # (R*t, n)
-    ctx_kept = cell[:, None] == torch.arange(R, device=dev).repeat_interleave(k)[None, :]  # (R*t, R*k)
     mask_full = torch.cat([ctx_full, own], 1)[None, None]  # (1, 1, R*t, n + R*t)
-    mask_layer = torch.cat([ctx_kept, own], 1)[None, None]  # (1, 1, R*t, R*k + R*t)
     windows = _hf.cache_windows(model)
     held = prefill.layer_tokens
     window_masks: dict[tuple[int, int], torch.Tensor] = {}
@@ -276,6 +318,14 @@ def _packed_cells(model, prefill, full_kv, layer: int, rows: list[torch.Tensor],
 
 
 # ---------------------------------------------------------------------------- routes from a profile
+
+
+def unit_rows(damage: list) -> tuple[list[list[float]], int]:
+    """A damage matrix as one row of M per unit, and the heads per layer: L x M (per-layer
+    profile, 1) or L x H x M flattened layer-major to L·H rows (per-head profile, H)."""
+    if damage and damage[0] and isinstance(damage[0][0], list):
+        return [row for layer in damage for row in layer], len(damage[0])
+    return damage, 1
 
 
 def best_methods(damage: list[list[float]], methods: list[str]) -> list[str]:
@@ -329,20 +379,28 @@ def build_routes(
     routes = {}
     for key, damage in profile["damage"][select].items():
         budget = json.loads(key)
-        chosen = best_methods(damage, methods)
-        sens = sensitivity(damage)
+        rows, H = unit_rows(damage)  # one row per layer, or per (layer, KV head)
+        chosen = best_methods(rows, methods)
+        sens = sensitivity(rows)
         prov = {"source": "profile", "budget": budget, "select_by": select, "samples": profile.get("n_samples")}
-        routes[f"profile_{budget}"] = Route.from_layers(chosen, budget, model=profile.get("model"), **prov)
-        # Share the budget among the layers routes can compress; fixed layers keep the
+        if H > 1:
+            prov["granularity"] = "head"
+        # Share the budget among the units routes can compress; fixed layers keep the
         # nominal budget, which the engine ignores there.
         fixed = set(profile.get("fixed_layers", []))
-        free = [i for i in range(len(sens)) if i not in fixed]
+        free = [u for u in range(len(sens)) if u // H not in fixed]
         alloc = [budget] * len(sens)
-        for i, b in zip(free, allocate_by_sensitivity([sens[i] for i in free], budget, cap=profile.get("n_tokens_min"))):
-            alloc[i] = b
-        routes[f"profile_{budget}_alloc"] = Route.from_layers(
-            chosen, alloc, model=profile.get("model"), **{**prov, "allocator": "sensitivity"}
-        )
+        for u, b in zip(free, allocate_by_sensitivity([sens[u] for u in free], budget, cap=profile.get("n_tokens_min"))):
+            alloc[u] = b
+        for stem, budgets, extra in ((f"profile_{budget}", [budget] * len(sens), {}),
+                                     (f"profile_{budget}_alloc", alloc, {"allocator": "sensitivity"})):
+            if H == 1:
+                routes[stem] = Route.from_layers(chosen, budgets, model=profile.get("model"), **prov, **extra)
+                continue
+            layers = [LayerRoute(chosen[l * H], budget) if l in fixed else
+                      LayerRoute.per_head([LayerRoute(chosen[u], budgets[u]) for u in range(l * H, (l + 1) * H)])
+                      for l in range(len(sens) // H)]
+            routes[stem] = Route(layers, model=profile.get("model"), provenance={**prov, **extra})
     return routes
 
 
@@ -359,10 +417,12 @@ def heatmap(profile: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(
         1,
         len(panels),
-        figsize=(1.2 + 0.55 * len(profile["methods"]) * len(panels), 0.22 * profile["n_layers"] + 2),
+        figsize=(1.2 + 0.55 * len(profile["methods"]) * len(panels),
+                 0.22 * profile["n_layers"] * profile.get("n_heads", 1) + 2),
         squeeze=False,
     )
     for ax, (key, damage) in zip(axes[0], panels.items()):
+        damage, H = unit_rows(damage)  # per-head profiles: one row per (layer, head)
         data = torch.tensor(damage).clamp_min(1e-6).numpy()
         im = ax.imshow(
             data, aspect="auto", cmap="viridis", norm=LogNorm(vmin=data.min(), vmax=max(data.max(), data.min() * 1.01))
@@ -373,7 +433,7 @@ def heatmap(profile: dict[str, Any], path: Path) -> None:
                 plt.Rectangle((profile["methods"].index(m) - 0.5, layer - 0.5), 1, 1, fill=False, ec="red", lw=1)
             )
         ax.set_xticks(range(len(profile["methods"])), profile["methods"], rotation=60, ha="right", fontsize=8)
-        ax.set_ylabel("layer")
+        ax.set_ylabel("layer" if H == 1 else f"layer x head ({H} KV heads per layer)")
         ax.set_title(f"{select} damage, budget {json.loads(key)}", fontsize=9)
         fig.colorbar(im, ax=ax, fraction=0.05)
     fig.tight_layout()
@@ -391,13 +451,21 @@ def aggregate(config: ProfileConfig, model: str, n_layers: int, cells: list[dict
         damage[kind] = {}
         for b in config.budgets:
             key = json.dumps(b)
-            mats = torch.tensor([c[kind][key] for c in cells])  # (S, L, M)
+            mats = torch.tensor([c[kind][key] for c in cells])  # (S, L, M), or (S, L, H, M) per head
             damage[kind][key] = mats.mean(0).tolist()
-    sens = {key: sensitivity(d) for key, d in damage[config.select_by].items()}
+    sens, best = {}, {}
+    for key, d in damage[config.select_by].items():  # per layer, or per (layer, head): nested per layer
+        rows, H = unit_rows(d)
+        flat_s, flat_b = sensitivity(rows), best_methods(rows, config.methods)
+        sens[key] = flat_s if H == 1 else [flat_s[i : i + H] for i in range(0, len(flat_s), H)]
+        best[key] = flat_b if H == 1 else [flat_b[i : i + H] for i in range(0, len(flat_b), H)]
+    heads = unit_rows(next(iter(damage[config.select_by].values())))[1]
     return {
         "schema": SCHEMA,
         "model": model,
         "n_layers": n_layers,
+        "granularity": config.granularity,
+        "n_heads": heads,  # damage per (layer, KV head) when > 1
         "methods": list(config.methods),
         "budgets": list(config.budgets),
         "select_by": config.select_by,
@@ -408,7 +476,7 @@ def aggregate(config: ProfileConfig, model: str, n_layers: int, cells: list[dict
         "sample_ids": [c["sample_id"] for c in cells],
         "damage": damage,
         "sensitivity": sens,
-        "best": {key: best_methods(d, config.methods) for key, d in damage[config.select_by].items()},
+        "best": best,
         "config": to_dict(config),
     }
 
@@ -438,7 +506,7 @@ def run_profile(config: ProfileConfig, overwrite: bool = False, progress: bool =
     for s in tqdm(samples, desc="profile", unit="sample", disable=not progress):
         if s.id in done:
             continue
-        row = {"sample_id": s.id, **sample_damage(engine, s, config.budgets, config.methods)}
+        row = {"sample_id": s.id, **sample_damage(engine, s, config.budgets, config.methods, config.granularity)}
         append_jsonl(out / "cells.jsonl", [row])
         done[s.id] = row
     profile = aggregate(config, name, n_layers, [done[s.id] for s in samples])

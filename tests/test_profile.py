@@ -275,3 +275,55 @@ def test_sensitivity_allocation_keeps_the_total_floor_and_cap():
     frac = allocate_by_sensitivity(sens, 0.5)
     assert sum(frac) == pytest.approx(2.0) and max(frac) <= 1.0
     assert allocate_by_sensitivity([0.0] * 3, 7) == [7, 7, 7]  # no signal: uniform
+
+
+def test_head_cell_equals_masking_that_heads_evicted_tokens_in_a_full_forward(tiny, tokenizer, calib):
+    """granularity head: a cell compresses one KV head of one layer; its damage equals a
+    plain full-cache forward with a -inf bias on the positions that head evicts there."""
+    engine = Engine(tiny, tokenizer)
+    sample = calib[0]
+    methods = ["snapkv", "knorm"]
+    damage = sample_damage(engine, sample, [24], methods, granularity="head")
+    prompt = engine.encode(sample.context, sample.question, sample.answer_prefix)
+    prefill = engine.prefill(prompt)
+    answer = tokenizer.encode(answer_text(sample), return_tensors="pt", add_special_tokens=False)
+    ids = torch.cat([prompt.question_ids, answer], 1)
+    n, q, a = prefill.n_tokens, prompt.question_ids.shape[1], answer.shape[1]
+    pos = torch.arange(n, n + q + a).unsqueeze(0)
+    full_kv = [(c.keys, c.values) for c in prefill.layers]
+
+    def logp(biases):
+        with torch.no_grad(), _hf.attention_bias(tiny, biases):
+            logits = tiny(input_ids=ids, past_key_values=_hf.build_cache(tiny, full_kv), position_ids=pos).logits
+        return torch.log_softmax(logits[0, q - 1 : q + a - 1].float(), -1)
+
+    ref = logp({})
+    H = engine.n_kv_heads
+    assert len(damage["kl"]["24"][0]) == H and len(damage["kl"]["24"][0][0]) == len(methods)
+    for layer in range(engine.n_layers):
+        for h in range(H):
+            for j, m in enumerate(methods):
+                bias = torch.zeros(1, H, n)
+                bias[0, h] = float("-inf")
+                bias[0, h, engine.kept_indices(prefill, layer, m, 24)[0, h]] = 0.0
+                kl = (ref.exp() * (ref - logp({layer: bias}))).sum(-1).mean().item()
+                assert damage["kl"]["24"][layer][h][j] == pytest.approx(kl, rel=1e-3, abs=1e-6), (layer, h, m)
+
+
+def test_head_profile_gives_per_head_routes(tiny_dir, tmp_path):
+    config = _profile_config(tmp_path, tiny_dir, granularity="head", budgets="[0.2]", methods="[snapkv, knorm, tova]")
+    out = run_profile(config, progress=False)
+    profile = json.loads((out / "profile.json").read_text())
+    assert profile["n_heads"] == 2 and len(profile["best"]["0.2"][0]) == 2
+    best = lr.Route.from_file(out / "profile_0.2.json")
+    alloc = lr.Route.from_file(out / "profile_0.2_alloc.json")
+    assert best.is_per_head and alloc.is_per_head
+    rows = [row for layer in profile["damage"]["kl"]["0.2"] for row in layer]  # (layer, head) rows
+    got = [h.method for e in best.layers for h in e.heads]
+    assert got == [["snapkv", "knorm", "tova"][min(range(3), key=lambda i: (r[i], i))] for r in rows]
+    budgets = [h.budget for e in alloc.layers for h in e.heads]
+    assert sum(budgets) / len(budgets) == pytest.approx(0.2)
+    sens = [min(r) for r in rows]  # the most sensitive head gets the most
+    assert budgets[max(range(len(sens)), key=sens.__getitem__)] == max(budgets)
+    with pytest.raises(ConfigError, match="granularity must be one of layer, head"):
+        _profile_config(tmp_path, tiny_dir, granularity="kv")
