@@ -401,7 +401,42 @@ def build_routes(
                       LayerRoute.per_head([LayerRoute(chosen[u], budgets[u]) for u in range(l * H, (l + 1) * H)])
                       for l in range(len(sens) // H)]
             routes[stem] = Route(layers, model=profile.get("model"), provenance={**prov, **extra})
+        if H > 1 and "streaming_llm" in methods:
+            routes[f"profile_{budget}_duo"] = duo_route(rows, methods, budget, H, fixed, profile)
     return routes
+
+
+DUO_WINDOW = 64  # tokens a streaming head keeps (attention sinks + recent window) in the duo routes
+
+
+def duo_route(rows: list[list[float]], methods: list[str], budget: Budget, H: int, fixed: set[int],
+              profile: dict[str, Any]) -> Route:
+    """DuoAttention's split (Xiao et al., 2024) from a per-head profile: retrieval heads keep
+    the whole context, streaming heads keep ``DUO_WINDOW`` tokens (StreamingLLM's sinks +
+    recent window). The retrieval heads are those StreamingLLM damages most (DuoAttention
+    learns them by distillation; the profile measures the same loss of each head's
+    long-range reads), and the budget decides how many: ``n_full`` of the ``U`` free heads
+    with ``n_full·n + (U - n_full)·w ≈ U·b`` at the profiled context ``n``."""
+    n = int(profile["n_tokens_min"])
+    mean_k = resolve_budget(budget, n)
+    w = min(DUO_WINDOW, mean_k)
+    free = [u for u in range(len(rows)) if u // H not in fixed]
+    U = len(free)
+    n_full = 0 if n <= w else max(0, min(U, round(U * (mean_k - w) / (n - w))))
+    damage = [rows[u][methods.index("streaming_llm")] for u in free]
+    full = {free[i] for i in sorted(range(U), key=lambda i: (-damage[i], i))[:n_full]}
+    whole, window = (1.0, w / n) if isinstance(budget, float) else (n, w)
+    layers = []
+    for l in range(len(rows) // H):
+        if l in fixed:
+            layers.append(LayerRoute("streaming_llm", budget))
+            continue
+        layers.append(LayerRoute.per_head([LayerRoute("full", whole) if u in full else LayerRoute("streaming_llm", window)
+                                           for u in range(l * H, (l + 1) * H)]))
+    achieved = (n_full * n + (U - n_full) * w) / max(U, 1)
+    prov = {"source": "duo", "budget": budget, "retrieval_heads": n_full, "heads": U, "window": w,
+            "profiled_tokens": n, "mean_tokens_at_profiled_length": achieved, "samples": profile.get("n_samples")}
+    return Route(layers, model=profile.get("model"), provenance=prov)
 
 
 def heatmap(profile: dict[str, Any], path: Path) -> None:

@@ -327,3 +327,22 @@ def test_head_profile_gives_per_head_routes(tiny_dir, tmp_path):
     assert budgets[max(range(len(sens)), key=sens.__getitem__)] == max(budgets)
     with pytest.raises(ConfigError, match="granularity must be one of layer, head"):
         _profile_config(tmp_path, tiny_dir, granularity="kv")
+
+
+def test_duo_route_keeps_the_heads_streaming_hurts_most_whole():
+    from learnroute.profile import DUO_WINDOW, build_routes
+
+    # 3 layers x 2 heads, methods [snapkv, streaming_llm]: streaming damage per (layer, head)
+    streaming = [[0.9, 0.1], [0.2, 0.8], [0.05, 0.3]]
+    damage = [[[0.01, s] for s in layer] for layer in streaming]
+    profile = {"schema": "learnroute.profile/1", "model": None, "n_layers": 3, "methods": ["snapkv", "streaming_llm"],
+               "select_by": "kl", "n_tokens_min": 1000, "fixed_layers": [], "damage": {"kl": {"0.2": damage}}}
+    duo = build_routes(profile, model=None, n_layers=3)["profile_0.2_duo"]
+    # 6 heads x 200 tokens = 1200 = n_full x 1000 + (6 - n_full) x 64  ->  n_full = round(6 x 136 / 936) = 1
+    heads = [(h.method, h.budget) for e in duo.layers for h in e.heads]
+    assert heads.count(("full", 1.0)) == 1 and heads[0] == ("full", 1.0)  # the 0.9 head
+    assert heads.count(("streaming_llm", DUO_WINDOW / 1000)) == 5
+    profile["damage"]["kl"] = {"0.5": damage}
+    duo = build_routes(profile, model=None, n_layers=3)["profile_0.5_duo"]
+    full = [i for i, h in enumerate(h for e in duo.layers for h in e.heads) if h.method == "full"]
+    assert full == [0, 3, 5]  # round(6 x 436 / 936) = 3: the three most damaged (0.9, 0.8, 0.3)
