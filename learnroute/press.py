@@ -57,9 +57,9 @@ class RoutedPress(BasePress):
     method_options: dict[str, dict] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.route.is_per_head:  # refused here, before the pipeline runs a forward
-            raise RouteError("RoutedPress does not run per-head routes yet (the engine does: learnroute bench); "
-                             "give it a route whose layer entries hold for every head")
+        if any(e.share is not None for e in self.route.layers):  # refused before the pipeline runs a forward
+            raise RouteError("RoutedPress does not run layers that share their budget across heads by scores "
+                             "(share: adakv); kvpress's own AdaKVPress does")
         names = {m for e in self.route.layers for m in e.methods}  # mixture layers need every component
         self._methods: dict[str, Method] = {name: get_method(name, **self.method_options.get(name, {})) for name in names}
         # A missing or malformed adapter folder is refused here, before any forward.
@@ -70,7 +70,7 @@ class RoutedPress(BasePress):
         which knows the model's local layers.)"""
         # A keep-everything method keeps the whole context whatever its budget says.
         kept = {None if self._methods[e.method].keeps_all else e.budget for e in self.route.layers}
-        return len(kept) > 1 or any(self._local)
+        return len(kept) > 1 or any(self._local) or self.route.is_per_head  # per head: padded heads
 
     def compress(
         self,
@@ -87,17 +87,39 @@ class RoutedPress(BasePress):
         # Gemma3, and so is any layer whose cache holds only a window of the context: the
         # engine's rule (Engine.is_fixed), through the same kept_count/select as the engine.
         fixed = self._local[module.layer_idx] or n < hidden_states.shape[1]
-        n_kept = kept_count(entry.budget, n, keeps_all=self._methods[entry.method].keeps_all, fixed=fixed, held=n)
         capture = _hf.LayerCapture(module, hidden_states, keys, values, kwargs["position_embeddings"])
+        if entry.heads is not None:
+            return self._compress_heads(module, entry, capture, keys, values, fixed)
+        n_kept = kept_count(entry.budget, n, keeps_all=self._methods[entry.method].keeps_all, fixed=fixed, held=n)
         idx = select(entry.method, entry.mixture, n_kept, n, lambda m: self._methods[m].score(capture, n_kept))
         if idx is None:  # the layer keeps everything
             return keys, values
         idx = idx.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])  # (B, H_kv, k, d)
         return keys.gather(2, idx).contiguous(), values.gather(2, idx).contiguous()
 
+    def _compress_heads(self, module, entry, capture, keys, values, fixed: bool):
+        """A per-head layer: each KV head keeps its own method's top-k at its own count (the
+        engine's selection); heads are padded to the longest with position 0 and the padding
+        is marked for route-aware attention (:func:`learnroute._hf.set_press_padding`)."""
+        b, h, n, d = keys.shape
+        counts = [kept_count(x.budget, n, keeps_all=self._methods[x.method].keeps_all, fixed=fixed, held=n)
+                  for x in entry.heads]
+        longest = max(counts)
+        rows = []
+        for j, (x, k) in enumerate(zip(entry.heads, counts)):
+            idx = select(x.method, x.mixture, k, n, lambda m, k=k: self._methods[m].score(capture, k))  # (B, H_kv, k)
+            idx = torch.arange(n, device=keys.device).expand(b, h, n) if idx is None else idx
+            rows.append(torch.nn.functional.pad(idx[:, j], (0, longest - k)))  # (B, longest)
+        idx = torch.stack(rows, 1).unsqueeze(-1).expand(-1, -1, -1, d)  # (B, H_kv, longest, d)
+        if min(counts) < longest:
+            valid = torch.tensor(counts, device=keys.device).expand(b, h)  # (B, H_kv)
+            _hf.set_press_padding(module, valid, longest)
+        return keys.gather(2, idx).contiguous(), values.gather(2, idx).contiguous()
+
     @contextlib.contextmanager
     def __call__(self, model: PreTrainedModel) -> Generator:
         self.route.check_layers(len(_hf.attention_modules(model)))
+        self.route.check_heads(_hf.kv_heads(model))
         if self._adapter is not None:
             from learnroute.models import model_name
 

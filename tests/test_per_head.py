@@ -184,8 +184,8 @@ def test_what_runs_per_layer_only_refuses_per_head_routes_before_any_forward(tmp
     from learnroute.gates.config import TrainConfig
     from learnroute.press import RoutedPress
 
-    with pytest.raises(RouteError, match="RoutedPress does not run per-head routes yet"):
-        RoutedPress(per_head_route())
+    with pytest.raises(RouteError, match="share: adakv"):
+        RoutedPress(Route.adakv("snapkv", 4, 0.2))
     path = per_head_route().to_file(tmp_path / "r.json")
     with pytest.raises(ConfigError, match="is a per-head route: with granularity .layer. gates are per layer"):
         from_dict(TrainConfig, {"init_route": str(path), "learn": "budgets"})
@@ -322,3 +322,30 @@ def test_per_head_training_runs_end_to_end_and_refuses_a_route_for_other_heads(t
     with pytest.raises(SystemExit):
         main(["train", "--config", str(cfg)])
     assert "3 heads per per-head layer but the model has 2 KV heads" in capsys.readouterr().err
+
+
+def test_per_head_route_runs_in_kvpress_pipeline_as_in_the_engine(tokenizer, sample):
+    """RoutedPress inside kvpress's own pipeline: each head keeps its own tokens (padded and
+    masked per head); the same answer as the engine. A later plain kvpress press on the same
+    model is not touched by that padding (cleared at its prefill)."""
+    from kvpress import SnapKVPress
+    from transformers import pipeline
+
+    from learnroute.press import RoutedPress
+    from tests.test_press import ask
+
+    model = make_tiny(tokenizer, seed=3)
+    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device="cpu")
+    route = per_head_route()
+    (want,) = Engine(model, tokenizer, max_new_tokens=6).run(sample.context, sample.question, [route],
+                                                              answer_prefix=sample.answer_prefix)
+    padded = lambda: [hasattr(m, "_learnroute_press_padding") for m in lr._hf.attention_modules(model)]  # noqa: E731
+    with lr.routed_attention(model):
+        assert ask(pipe, sample, RoutedPress(route)) == want.answer
+        assert padded() == [True, False, True, False]  # layers 0 and 2: heads of different counts
+        after = ask(pipe, sample, SnapKVPress(compression_ratio=0.6))
+        assert not any(padded())  # the next prefill cleared them
+    fresh = pipeline("kv-press-text-generation", model=make_tiny(tokenizer, seed=3), tokenizer=tokenizer, device="cpu")
+    assert after == ask(fresh, sample, SnapKVPress(compression_ratio=0.6))
+    with pytest.raises(RouteError, match="3 heads per per-head layer"):
+        ask(pipe, sample, RoutedPress(Route([LayerRoute.per_head([LayerRoute("tova", 8)] * 3)] * 4)))

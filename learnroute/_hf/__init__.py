@@ -24,6 +24,7 @@ from learnroute._hf.attention import (
     is_routed,
     padded_keys,
     routed_attention,
+    set_press_padding,
     switch_to_routed_attention,
 )
 from learnroute._hf.cache import (
@@ -86,6 +87,7 @@ __all__ = [
     "quiet_loading",
     "rotary_on_attention",
     "routed_attention",
+    "set_press_padding",
     "switch_to_routed_attention",
     "text_config",
     "windowed_layers",

@@ -32,6 +32,7 @@ ROUTED_PREFIX = "learnroute_"
 _BIAS_ATTR = "_learnroute_bias"
 _OWN_MASKS_ATTR = "_learnroute_own_masks"
 _PAD_ATTR = "_learnroute_padding"
+_PRESS_PAD_ATTR = "_learnroute_press_padding"  # RoutedPress's per-head padding, until the next prefill
 
 
 def _eager_function(module: nn.Module):
@@ -152,6 +153,12 @@ def _routed(eager: bool):
         rebuild = getattr(module, _OWN_MASKS_ATTR, False)
         layer = getattr(module, _PAD_ATTR, None)  # a padded cache layer (padded_keys)
         padding = None if layer is None or layer.valid is None else (layer.valid, layer.pad_end)
+        press = getattr(module, _PRESS_PAD_ATTR, None)  # set by RoutedPress for a per-head layer
+        if press is not None:
+            if q == kv:  # a prefill starts a new sequence: the padding was the last one's (as kvpress
+                delattr(module, _PRESS_PAD_ATTR)  # resets its masked_key_indices)
+            elif padding is None:
+                padding = press
         # Without a mask, several queries over a longer cache need one aligned to the end of
         # the keys (sdpa's is_causal would align it to the start); see forward_from_layer.
         if (
@@ -244,6 +251,14 @@ def padded_keys(model: PreTrainedModel, cache: DynamicCache) -> Iterator[None]:
         for m in modules:
             if hasattr(m, _PAD_ATTR):
                 delattr(m, _PAD_ATTR)
+
+
+def set_press_padding(module: nn.Module, valid: torch.Tensor, pad_end: int) -> None:
+    """Mark a layer compressed inside kvpress's pipeline as padded per KV head: head h of row
+    b holds ``valid[b, h]`` kept tokens in slots [0, valid[b, h]) of ``pad_end``; the rest of
+    those slots is hidden from attention (route-aware attention only) until the next prefill
+    over this module, which clears the mark."""
+    setattr(module, _PRESS_PAD_ATTR, (valid, pad_end))
 
 
 @contextlib.contextmanager
