@@ -747,6 +747,33 @@ def _ci(c: dict | None) -> str:
     return f"{100 * c['diff']:+.1f} [{100 * c['lo']:+.1f}, {100 * c['hi']:+.1f}] {c['verdict']}"
 
 
+def _control_lines(res: dict[str, Any], main: str) -> list[str]:
+    """study.md's tables of the controls (pyramid: and adakv:<best>) and of Q9 (per-head
+    learning), for one protocol and family split."""
+    lines: list[str] = []
+    if any(e.get(f"q1_vs_{k}_best") for k in CONTROL_KINDS for e in res["budgets"]):
+        lines += ["", f"Controls: `{main}` minus PyramidKV's allocation over layers and Ada-KV's over "
+                  "each layer's KV heads, both over the best homogeneous method (paired, x100):", ""]
+        lines.append("| budget | control route | its score | learned - it |")
+        lines.append("|---|---|---|---|")
+        for e in res["budgets"]:
+            for k in CONTROL_KINDS:
+                if e.get(f"{k}_best"):
+                    lines.append(f"| {e['budget']} | {e[f'{k}_best']} | {100 * e['avg'][e[f'{k}_best']]:.1f} | "
+                                 f"{_ci(e.get(f'q1_vs_{k}_best'))} |")
+    per_head = sorted({v for e in res["budgets"] for v in e.get("q9_per_head", {})})
+    if per_head:
+        lines += ["", "Q9, per-head learning (`granularity: head`): each per-head route minus the main "
+                  f"per-layer route `{main}`, and minus `adakv:<best homogeneous method>` (paired, x100):", ""]
+        lines.append("| route | versus | " + " | ".join(str(e["budget"]) for e in res["budgets"]) + " |")
+        lines.append("|---|---|" + "---|" * len(res["budgets"]))
+        for v in per_head:
+            for key, label in (("vs_main", main), ("vs_adakv", "adakv:<best>")):
+                lines.append(f"| {v} | {label} | " + " | ".join(
+                    _ci(e.get("q9_per_head", {}).get(v, {}).get(key)) for e in res["budgets"]) + " |")
+    return lines
+
+
 def to_markdown(result: dict[str, Any], main: str) -> str:
     """The answers to questions 1-8 as tables (scores x100, paired 95 % intervals)."""
     lines = ["# Study results", ""]
@@ -827,26 +854,7 @@ def to_markdown(result: dict[str, Any], main: str) -> str:
                     lines.append(f"| {e['budget']} | {r} | {100 * v:.1f} | {_ci(sd['q1'][r])} |")
                 lines.append(f"| {e['budget']} | spread | {100 * sd['min']:.1f}-{100 * sd['max']:.1f} "
                              f"(sd {100 * sd['sd']:.1f}) | |")
-        if any(e.get(f"q1_vs_{k}_best") for k in CONTROL_KINDS for e in res["budgets"]):
-            lines += ["", f"Controls: `{main}` minus PyramidKV's allocation over layers and Ada-KV's over "
-                      "each layer's KV heads, both over the best homogeneous method (paired, x100):", ""]
-            lines.append("| budget | control route | its score | learned - it |")
-            lines.append("|---|---|---|---|")
-            for e in res["budgets"]:
-                for k in CONTROL_KINDS:
-                    if e.get(f"{k}_best"):
-                        lines.append(f"| {e['budget']} | {e[f'{k}_best']} | {100 * e['avg'][e[f'{k}_best']]:.1f} | "
-                                     f"{_ci(e.get(f'q1_vs_{k}_best'))} |")
-        per_head = sorted({v for e in res["budgets"] for v in e.get("q9_per_head", {})})
-        if per_head:
-            lines += ["", "Q9, per-head learning (`granularity: head`): each per-head route minus the main "
-                      f"per-layer route `{main}`, and minus `adakv:<best homogeneous method>` (paired, x100):", ""]
-            lines.append("| route | versus | " + " | ".join(str(e["budget"]) for e in res["budgets"]) + " |")
-            lines.append("|---|---|" + "---|" * len(res["budgets"]))
-            for v in per_head:
-                for key, label in (("vs_main", main), ("vs_adakv", "adakv:<best>")):
-                    lines.append(f"| {v} | {label} | " + " | ".join(
-                        _ci(e.get("q9_per_head", {}).get(v, {}).get(key)) for e in res["budgets"]) + " |")
+        lines += _control_lines(res, main)
         started = sorted({v for e in res["budgets"] for v in e.get("q8_vs_start", {})})
         if started:
             lines += ["", "Q8, each learned route minus its untrained start (`<route>_start`, the same "
