@@ -245,7 +245,8 @@ def run_bench(config: BenchConfig, overwrite: bool = False) -> Path:
     device = resolve_device(config.device)  # cuda without CUDA is refused before anything is written
     state = process_state()  # samples are sharded across ranks (torchrun / accelerate launch)
     rank, world = state.process_index, state.num_processes
-    out = prepare_folder(config, overwrite, state.is_main_process)
+    # Routes may be added on a resume (a study that grows): their cells run, finished cells are kept.
+    out = prepare_folder(config, overwrite, state.is_main_process, growable=("routes",))
     state.wait_for_everyone()
 
     model, tokenizer = load_model(config.model)

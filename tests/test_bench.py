@@ -385,3 +385,17 @@ def test_stop_at_final_score_shortens_answers_and_resumes_any_setting(run, tiny_
     before = (out / "results.jsonl").read_text()
     run_bench(config_for(tiny_dir, out, stop_at_final_score="true"))
     assert (out / "results.jsonl").read_text() == before
+
+
+def test_a_bench_resumed_with_a_route_added_runs_only_its_cells(tiny_dir, tmp_path):
+    """Routes may be added on a resume (a study that grows): the new route's cells run,
+    every finished row stays as it was; dropping a route is still a different config."""
+    out = tmp_path / "grow"
+    run_bench(config_for(tiny_dir, out, routes=json.dumps(["full", "homogeneous:snapkv"])))
+    before = read_jsonl(out / "results.jsonl")
+    run_bench(config_for(tiny_dir, out, routes=json.dumps(["full", "homogeneous:snapkv", "adakv:snapkv"])))
+    after = read_jsonl(out / "results.jsonl")
+    assert after[: len(before)] == before
+    assert {r["route"] for r in after[len(before):]} == {"adakv:snapkv"} and len(after) - len(before) == 3 * 2
+    with pytest.raises(ConfigError, match="differs in: routes"):
+        run_bench(config_for(tiny_dir, out, routes=json.dumps(["full"])))
