@@ -157,22 +157,16 @@ def _parse_entry(item: Any, where: str, problems: list[str], schema: str = SCHEM
         problems.append(f"{where} must be an object with 'method' and 'budget' (or 'heads'), got {item!r}")
         return None
     method, budget = item["method"], item["budget"]
-    before = len(problems)
-    if method not in METHODS:
-        problems.append(f"{where}: unknown method {method!r}; registered: {', '.join(METHODS)}")
-    if (p := budget_problem(budget)) is not None:
-        problems.append(f"{where}: {p}")
-    mixture = item.get("mixture")
-    if mixture is not None:
-        bad = mixture_problems(mixture, method)
-        problems += [f"{where}: {p}" for p in bad]
+    mixture, bad = item.get("mixture"), []
+    if mixture is not None:  # the raw weights are checked here; a valid mixture becomes pairs
+        bad = [f"{where}: {p}" for p in mixture_problems(mixture, method)]
         mixture = None if bad else tuple((str(m), float(w)) for m, w in mixture.items())
-    share = item.get("share")
-    if share is not None and schema != SCHEMA:
-        problems.append(f"{where}: 'share' needs schema {SCHEMA!r}")
-    if share is not None and share not in SHARES:
-        problems.append(f"{where}: share {share!r} is not one of {', '.join(SHARES)}")
-    return None if len(problems) > before else LayerRoute(method, budget, mixture, share=share)
+    entry = LayerRoute(method, budget, mixture, share=item.get("share"))
+    found = entry_problems(entry, where) + bad  # methods, budget, share: the rules a Route applies
+    if entry.share is not None and schema != SCHEMA:
+        found.append(f"{where}: 'share' needs schema {SCHEMA!r}")
+    problems += found
+    return None if found else entry
 
 
 def entry_problems(entry: LayerRoute, where: str) -> list[str]:
