@@ -28,7 +28,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from learnroute import _hf
 from learnroute import adapter as _adapter
 from learnroute.methods.base import Method
-from learnroute.methods.select import active_components, keep_indices, kept_count, select
+from learnroute.methods.select import active_components, keep_indices, kept_count, select, stack_heads
 from learnroute.methods.registry import get_method
 from learnroute.route import ADAKV_SAFEGUARD, Route
 
@@ -424,12 +424,9 @@ class Engine:
         entry = route.layers[layer]
         if min(kept) == max(kept) and entry.heads is None:
             return self.kept_indices(prefill, layer, entry.method, kept[0], entry.mixture)  # (1, H_kv, k)
-        longest = max(kept)
-        rows = []
-        for h, (head, k) in enumerate(zip(entry.head_entries(len(kept)), kept)):
-            idx = self.kept_indices(prefill, layer, head.method, k, head.mixture)[:, h]  # (1, k_h)
-            rows.append(torch.nn.functional.pad(idx, (0, longest - idx.shape[-1])))  # (1, longest)
-        return torch.stack(rows, dim=1)  # (1, H_kv, longest)
+        heads = entry.head_entries(len(kept))
+        picks = [self.kept_indices(prefill, layer, x.method, k, x.mixture) for x, k in zip(heads, kept)]  # (1, H_kv, k_h)
+        return stack_heads(picks, kept)  # (1, H_kv, max(kept))
 
     def _gather_into(
         self, prefill: Prefill, routes: list[Route], heads: list[list[tuple[int, ...]]], layer: int,

@@ -15,7 +15,7 @@ from transformers import PreTrainedModel
 from learnroute import _hf
 from learnroute import adapter as _adapter
 from learnroute.methods.base import Method
-from learnroute.methods.select import kept_count, select
+from learnroute.methods.select import kept_count, select, stack_heads
 from learnroute.methods.registry import get_method
 from learnroute.route import Route, RouteError
 
@@ -105,12 +105,11 @@ class RoutedPress(BasePress):
         counts = [kept_count(x.budget, n, keeps_all=self._methods[x.method].keeps_all, fixed=fixed, held=n)
                   for x in entry.heads]
         longest = max(counts)
-        rows = []
-        for j, (x, k) in enumerate(zip(entry.heads, counts)):
+        picks = []
+        for x, k in zip(entry.heads, counts):
             idx = select(x.method, x.mixture, k, n, lambda m, k=k: self._methods[m].score(capture, k))  # (B, H_kv, k)
-            idx = torch.arange(n, device=keys.device).expand(b, h, n) if idx is None else idx
-            rows.append(torch.nn.functional.pad(idx[:, j], (0, longest - k)))  # (B, longest)
-        idx = torch.stack(rows, 1).unsqueeze(-1).expand(-1, -1, -1, d)  # (B, H_kv, longest, d)
+            picks.append(torch.arange(n, device=keys.device).expand(b, h, n) if idx is None else idx)
+        idx = stack_heads(picks, counts).unsqueeze(-1).expand(-1, -1, -1, d)  # (B, H_kv, longest, d)
         if min(counts) < longest:
             valid = torch.tensor(counts, device=keys.device).expand(b, h)  # (B, H_kv)
             _hf.set_press_padding(module, valid, longest)

@@ -68,3 +68,13 @@ def select(
     if len(active) > 1:  # a mixture layer: top-k of the mixed ranks
         return keep_indices(mixed_scores({m: scores(m) for m, _ in active}, active), n_kept)
     return keep_indices(scores(active[0][0]), n_kept)
+
+
+def stack_heads(picks: Sequence[torch.Tensor], counts: Sequence[int]) -> torch.Tensor:
+    """Kept positions (B, H_kv, max(counts)) of a layer whose KV heads select on their own:
+    head h keeps row h of ``picks[h]`` (its own entry's selection (B, H_kv, counts[h]) at its
+    own count), the shorter heads padded with position 0 (a real key: the engine and
+    RoutedPress mask the padding)."""
+    longest = max(counts)
+    rows = [torch.nn.functional.pad(pick[:, h], (0, longest - k)) for h, (pick, k) in enumerate(zip(picks, counts))]
+    return torch.stack(rows, dim=1)  # (B, H_kv, longest)
