@@ -51,6 +51,18 @@ def calib(tokenizer):
     return make_samples("niah_single_1", tokenizer, 2, 300, "calibration", seed=0)
 
 
+def teacher_forced(engine, tokenizer, sample):
+    """The reference pass's inputs: the prefill, the answer ids (1, a), question + answer
+    ids (1, q + a) and their positions after the context."""
+    prompt = engine.encode(sample.context, sample.question, sample.answer_prefix)
+    prefill = engine.prefill(prompt)
+    answer = tokenizer.encode(answer_text(sample), return_tensors="pt", add_special_tokens=False)
+    ids = torch.cat([prompt.question_ids, answer], 1)
+    n = prefill.n_tokens
+    pos = torch.arange(n, n + ids.shape[1]).unsqueeze(0)
+    return prefill, answer, ids, pos
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_cell_equals_compressing_one_layer_in_a_full_forward(arch, tiny, tokenizer, calib):
     """The restart-at-layer shortcut gives the damage of a real forward with one layer compressed.
@@ -64,12 +76,8 @@ def test_cell_equals_compressing_one_layer_in_a_full_forward(arch, tiny, tokeniz
     methods = ["snapkv", "knorm", "streaming_llm"]
     damage = sample_damage(engine, sample, [24], methods)
     assert damage["fixed_layers"] == ([0, 2] if arch == "gemma3" else [])
-    prompt = engine.encode(sample.context, sample.question, sample.answer_prefix)
-    prefill = engine.prefill(prompt)
-    answer = tokenizer.encode(answer_text(sample), return_tensors="pt", add_special_tokens=False)
-    ids = torch.cat([prompt.question_ids, answer], 1)
-    n, q, a = prefill.n_tokens, prompt.question_ids.shape[1], answer.shape[1]
-    pos = torch.arange(n, n + q + a).unsqueeze(0)
+    prefill, answer, ids, pos = teacher_forced(engine, tokenizer, sample)
+    n, q, a = prefill.n_tokens, prefill.prompt.question_ids.shape[1], answer.shape[1]
 
     def logp(route):
         cache = _hf.build_cache(model, engine.compress(prefill, [route]))
@@ -284,12 +292,8 @@ def test_head_cell_equals_masking_that_heads_evicted_tokens_in_a_full_forward(ti
     sample = calib[0]
     methods = ["snapkv", "knorm"]
     damage = sample_damage(engine, sample, [24], methods, granularity="head")
-    prompt = engine.encode(sample.context, sample.question, sample.answer_prefix)
-    prefill = engine.prefill(prompt)
-    answer = tokenizer.encode(answer_text(sample), return_tensors="pt", add_special_tokens=False)
-    ids = torch.cat([prompt.question_ids, answer], 1)
-    n, q, a = prefill.n_tokens, prompt.question_ids.shape[1], answer.shape[1]
-    pos = torch.arange(n, n + q + a).unsqueeze(0)
+    prefill, answer, ids, pos = teacher_forced(engine, tokenizer, sample)
+    n, q, a = prefill.n_tokens, prefill.prompt.question_ids.shape[1], answer.shape[1]
     full_kv = [(c.keys, c.values) for c in prefill.layers]
 
     def logp(biases):
