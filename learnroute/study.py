@@ -607,7 +607,8 @@ def _answers(config: StudyConfig, rows: list[dict], main: str, budgets: list[Bud
         ada = entry.get("adakv_best")
         entry["q9_per_head"] = {
             r: {"vs_main": paired(scores[(r, bk)], scores[(main, bk)], config.bootstrap) if main in avg else None,
-                "vs_adakv": paired(scores[(r, bk)], scores[(ada, bk)], config.bootstrap) if ada else None}
+                "vs_adakv": paired(scores[(r, bk)], scores[(ada, bk)], config.bootstrap) if ada else None,
+                "allocated_over_kept": _allocated_over_kept(rows, r, bk)}
             for r in heads if (r, bk) in scores
         }
         # Q8: every learned route minus its own untrained start (learning's credit)
@@ -626,6 +627,18 @@ def _answers(config: StudyConfig, rows: list[dict], main: str, budgets: list[Bud
         "n_eval_samples": len(full),
         "budgets": per_budget,
     }
+
+
+def _allocated_over_kept(rows: list[dict], route: str, budget_key: str) -> float | None:
+    """The cache ``route`` allocates (its heads padded to each layer's longest) over the
+    tokens it keeps, summed over its answers at one budget; None for rows without both."""
+    kept = alloc = 0
+    for x in rows:
+        if x["route"] == route and json.dumps(x["budget"]) == budget_key:
+            if x.get("kv_bytes") is None or x.get("allocated_kv_bytes") is None:
+                return None
+            kept, alloc = kept + x["kv_bytes"], alloc + x["allocated_kv_bytes"]
+    return alloc / kept if kept else None
 
 
 def analyze(folder: str | Path, rescore: bool = False) -> dict[str, Any]:
@@ -771,6 +784,9 @@ def _control_lines(res: dict[str, Any], main: str) -> list[str]:
             for key, label in (("vs_main", main), ("vs_adakv", "adakv:<best>")):
                 lines.append(f"| {v} | {label} | " + " | ".join(
                     _ci(e.get("q9_per_head", {}).get(v, {}).get(key)) for e in res["budgets"]) + " |")
+            ratios = [e.get("q9_per_head", {}).get(v, {}).get("allocated_over_kept") for e in res["budgets"]]
+            lines.append(f"| {v} | allocated / kept bytes (padded heads) | "
+                         + " | ".join("n/a" if x is None else f"x{x:.2f}" for x in ratios) + " |")
     return lines
 
 
