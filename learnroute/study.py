@@ -20,6 +20,7 @@ rebuilds the answers from the folders alone (``learnroute report STUDY_FOLDER``)
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import mean
@@ -103,6 +104,12 @@ class StudyConfig:
                           "samples, benched as <main>_seed<k>; study.md gives the spread over seeds beside the "
                           "intervals over samples"},
     )
+    imported_routes: dict[str, str] = field(
+        default_factory=dict,
+        metadata={"help": "name -> a route file made elsewhere (say another study's routes/learned_<v>.json, "
+                          "trained at another context length), copied into routes/ and benched beside this "
+                          "study's routes as imported_<name>; Q6 answers each minus the main route"},
+    )
     per_budget: bool = field(default=False, metadata={"help": "also train the main variant once per budget (each benched at its own budget only)"})
     placements: int = field(default=20, metadata={"help": "random placements of the main learned route"})
     placement_budget: Budget | None = field(default=None, metadata={"help": "its budget (null = the first budget)"})
@@ -158,6 +165,7 @@ class StudyConfig:
             problems.append("placements must be >= 0 and bootstrap >= 100")
         if (p := device_problem(self.device)) is not None:
             problems.append(p)
+        problems += self._import_problems()
         # Every variant's training config must be valid (checked with the profile tokens
         # standing in for files that exist only once the profile has run).
         try:
@@ -170,6 +178,22 @@ class StudyConfig:
             except ConfigError as e:
                 problems.append(f"variant {name!r}: {e}")
         problems += self._family_problems(variants)
+        return problems
+
+    def _import_problems(self) -> list[str]:
+        """Imported routes must be readable route files with plain names (checked before any work)."""
+        problems = []
+        for name, path in self.imported_routes.items():
+            if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+                problems.append(f"imported_routes: name {name!r} must be letters, digits, '_', '-' or '.'")
+            if not Path(path).is_file():
+                problems.append(f"imported_routes.{name}: {path} is not a file (a route JSON, e.g. another "
+                                "study's routes/learned_<variant>.json)")
+                continue
+            try:
+                Route.from_file(path)
+            except Exception as e:  # a route file's own error says what is wrong in it
+                problems.append(f"imported_routes.{name}: {path} is not a valid route: {e}")
         return problems
 
     def _family_problems(self, variants: dict[str, dict[str, Any]]) -> list[str]:
@@ -284,6 +308,7 @@ CONTROLS = "_controls"  # bench_<protocol>_controls/: pyramid: and adakv:<best h
 CONTROL_KINDS = ("pyramid", "adakv")
 SEED = "_seed"  # <main>_seed<k>: the main variant trained with another optimisation seed
 START = "_start"  # suffix of a variant's untrained start among the routes (the control of question 8)
+IMPORTED = "imported_"  # routes/imported_<name>.json: routes made elsewhere (imported_routes)
 SHARED_STARTS = "shared_starts.json"  # routes/: {start: the identical start benched in its place}
 
 
@@ -322,7 +347,7 @@ def run_study(config: StudyConfig, overwrite: bool = False) -> Path:
 
     state = process_state()
     # A study grows: variants and seeds added later train and bench; finished ones are kept.
-    out = prepare_folder(config, overwrite, is_main=state.is_main_process, growable=("variants", "seeds"))
+    out = prepare_folder(config, overwrite, is_main=state.is_main_process, growable=("variants", "seeds", "imported_routes"))
     state.wait_for_everyone()
     run = _Stages(config, out, state)
     run.profile()
@@ -416,6 +441,10 @@ class _Stages:
                     else:
                         shared[start] = same
             atomic_write(routes / SHARED_STARTS, json.dumps(shared, indent=1) + "\n")
+            # Routes made elsewhere (trained at another length, on other families) travel
+            # into the run folder, so that it holds everything its tables were made from.
+            for name, path in self.config.imported_routes.items():
+                Route.from_file(path).to_file(routes / f"{IMPORTED}{name}.json")
         self.state.wait_for_everyone()
         return routes
 
@@ -443,6 +472,7 @@ class _Stages:
                     continue
                 pin = f"@{data['budgets'][0]}"
             specs += [f"{routes / n}.json{pin}" for n in names]
+        specs += [f"{routes / IMPORTED}{name}.json" for name in config.imported_routes]
         return specs
 
     def bench(self, protocol: str, variants: dict[str, dict[str, Any]], routes: Path) -> None:
@@ -588,7 +618,8 @@ def _answers(config: StudyConfig, rows: list[dict], main: str, budgets: list[Bud
             entry["q6_variants"] = {
                 r: paired(scores[(r, bk)], m, config.bootstrap)
                 for r in routes
-                if r.startswith("learned") and r != main and not r.endswith(START) and SEED not in r
+                if (r.startswith("learned") or r.startswith(IMPORTED)) and r != main and not r.endswith(START)
+                and SEED not in r
                 and (r, bk) in scores
             }
             seeded = [main] + [r for r in routes if r.startswith(main + SEED) and (r, bk) in scores]

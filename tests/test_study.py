@@ -33,6 +33,8 @@ def study_config(tmp_path, tiny_dir):
             "per_head": {"learn": "budgets", "init_method": "@profile_best", "granularity": "head"},
         },
         "mixture_of": ["learned"],
+        # a route made elsewhere (say trained at another length), benched beside the study's own
+        "imported_routes": {"mixed": str(tmp_path / "made_elsewhere.json")},
         "per_budget": True,
         "seeds": [1],  # the main variant once more, with optimisation seed 1
         "profile_all_budgets": True,
@@ -42,6 +44,8 @@ def study_config(tmp_path, tiny_dir):
         "max_new_tokens": 3,
         "output": str(tmp_path / "study"),
     }
+    Route.from_layers(["tova", "snapkv", "knorm", "tova"], 0.3, source="elsewhere").to_file(
+        tmp_path / "made_elsewhere.json")
     path = tmp_path / "study.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -66,6 +70,7 @@ def test_study_end_to_end_then_nothing_to_redo(tiny_dir, tmp_path, monkeypatch, 
                 "learned_budgets_only", "learned_warm", "learned_mixture", "learned_homog_adapter",
                 "learned_per_head",  # granularity: head, a per-head route
                 "learned_per_budget",  # learned@0.25 at 0.25, learned@40 at 40 (aware: @0.5): one row
+                "imported_mixed",  # imported_routes
             }
     # per task: the learned route's mean over that task's samples, from the raw rows
     raw = [json.loads(line) for line in (out / "bench_agnostic" / "results.jsonl").read_text().splitlines()]
@@ -143,6 +148,13 @@ def test_study_end_to_end_then_nothing_to_redo(tiny_dir, tmp_path, monkeypatch, 
                     if r["route"].endswith(f"/{stem}.json") and r["budget"] == b["budget"]}
         want = paired(own("learned_homog_adapter"), own("learned_budgets_only_start"), 200)
         assert want["n"] == 4 and b["q8_vs_start"]["learned_homog_adapter"]["diff"] == pytest.approx(want["diff"])
+        # the imported route: copied into routes/, benched at every budget, minus the main route in Q6
+        mine, main_own = own("imported_mixed"), own("learned")
+        assert len(mine) == 4 and b["q6_variants"]["imported_mixed"]["diff"] == pytest.approx(
+            sum(mine[k] - main_own[k] for k in mine) / 4)
+    copied = Route.from_file(out / "routes" / "imported_mixed.json")
+    assert [x.method for x in copied.layers] == ["tova", "snapkv", "knorm", "tova"]
+    assert copied.provenance["source"] == "elsewhere"
     # budgets only from @profile_best: untrained, that is the homogeneous route of that method,
     # so both decode the same answers on every eval sample
     method = budgets_only["layers"][0]["method"]
@@ -252,6 +264,17 @@ def test_bad_study_config_is_one_error(tmp_path):
     msg = str(e.value)
     for part in ("protocols must be", "main_variant 'nope'", "the study sets those", "unknown task 'nosuch'",
                  "aware_budgets is set but 'aware' is not in protocols"):
+        assert part in msg, part
+
+
+def test_imported_routes_must_be_route_files_with_plain_names(tmp_path):
+    (tmp_path / "not_a_route.json").write_text('{"layers": 3}')
+    with pytest.raises(ConfigError) as e:
+        load_config(S.StudyConfig, overrides=[
+            f"imported_routes={{gone: {tmp_path / 'gone.json'}, bad: {tmp_path / 'not_a_route.json'}, 'a/b': x.json}}"])
+    msg = str(e.value)
+    for part in ("imported_routes.gone", "is not a file", "imported_routes.bad", "is not a valid route",
+                 "name 'a/b' must be letters"):
         assert part in msg, part
 
 
