@@ -6,7 +6,10 @@ cores:
 - **decode**: ``engine.answer`` of per-head routes (each layer's KV heads keep different
   counts: the engine pads a layer's heads to its longest and masks the padding) against
   per-layer routes of the same methods keeping the same total tokens per layer. Target:
-  per-head / per-layer <= 1.3. Kept and allocated bytes (with the heads' padding) are
+  per-head / per-layer <= 1.3. Every answer decodes exactly ``--max-new-tokens`` tokens
+  (EOS held off), so both sides take the same decode steps: routes that keep other tokens
+  give other answers, and a longer answer is not a cost of the layout (the free-length
+  ratio is printed beside it). Kept and allocated bytes (with the heads' padding) are
   reported beside it.
 - **train step**: a gates step (soft masks, question + answer against the cached
   keys/values with log-mask biases, backward, AdamW) with ``n_heads = H_kv`` gates per
@@ -49,9 +52,9 @@ def route_pairs(n_layers: int, n_heads: int, budget: float, count: int, seed: in
     return pairs
 
 
-def time_decode(engine, prefill, routes) -> float:
+def time_decode(engine, prefill, routes, min_new_tokens: int = 0) -> float:
     start = time.perf_counter()
-    engine.answer(prefill, routes)
+    engine.answer(prefill, routes, min_new_tokens=min_new_tokens)
     return time.perf_counter() - start
 
 
@@ -88,10 +91,14 @@ def main() -> None:
         kept_h = sum(r.kv_bytes for r in res_h)
         alloc_h = sum(r.allocated_kv_bytes for r in res_h)
         kept_l = sum(r.kv_bytes for r in res_l)
-        dec_h, dec_l = [], []
+        steps_h = max(len(r.token_ids) for r in res_h)  # free-length decode steps of each batch
+        steps_l = max(len(r.token_ids) for r in res_l)
+        dec_h, dec_l, free_h, free_l = [], [], [], []
         for _ in range(args.pairs):
-            dec_h.append(time_decode(engine, prefill, headed))
-            dec_l.append(time_decode(engine, prefill, layered))
+            dec_h.append(time_decode(engine, prefill, headed, args.max_new_tokens))
+            dec_l.append(time_decode(engine, prefill, layered, args.max_new_tokens))
+            free_h.append(time_decode(engine, prefill, headed))
+            free_l.append(time_decode(engine, prefill, layered))
 
         item_sample = load_task("niah_multikey", tok, 1, n_tokens, "calibration", seed=0)[0]
         with frozen(model):
@@ -116,6 +123,9 @@ def main() -> None:
         fig = {
             "decode_per_head_s": statistics.median(dec_h), "decode_per_layer_s": statistics.median(dec_l),
             "decode_ratio": statistics.median(dec_h) / statistics.median(dec_l),
+            "decode_tokens": args.max_new_tokens,
+            "free_decode_ratio": statistics.median(free_h) / statistics.median(free_l),
+            "free_decode_steps_per_head": steps_h, "free_decode_steps_per_layer": steps_l,
             "kept_bytes_per_head": kept_h, "allocated_bytes_per_head": alloc_h, "kept_bytes_per_layer": kept_l,
             "allocated_over_kept": alloc_h / kept_h,
             "step_per_head_s": statistics.median(st_h), "step_per_layer_s": statistics.median(st_l),
@@ -123,7 +133,8 @@ def main() -> None:
         }
         out["lengths"][n_tokens] = fig
         print(f"{n_tokens} tokens: decode {args.routes} routes per-head {fig['decode_per_head_s']:.2f} s vs per-layer "
-              f"{fig['decode_per_layer_s']:.2f} s (x{fig['decode_ratio']:.2f}; target <= 1.3); kept bytes "
+              f"{fig['decode_per_layer_s']:.2f} s (x{fig['decode_ratio']:.2f}; target <= 1.3; {args.max_new_tokens} tokens each; free length "
+              f"x{fig['free_decode_ratio']:.2f} with {steps_h} vs {steps_l} steps); kept bytes "
               f"{kept_h / 2**20:.2f} vs {kept_l / 2**20:.2f} MiB, allocated {alloc_h / 2**20:.2f} MiB "
               f"(x{fig['allocated_over_kept']:.2f}); train step per-head {fig['step_per_head_s']:.3f} s vs "
               f"per-layer {fig['step_per_layer_s']:.3f} s (x{fig['step_ratio']:.2f}; target <= 1.2)", flush=True)
