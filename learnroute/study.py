@@ -505,15 +505,23 @@ class _Stages:
     def controls(self, protocol: str) -> None:
         """4b. The controls ``pyramid:<best method>`` (PyramidKV's allocation over layers) and
         ``adakv:<best method>`` (Ada-KV's over each layer's KV heads) over the method whose
-        homogeneous route did best at each budget (known only once the bench has run), on
-        the same eval samples, into ``bench_<protocol>_controls/``."""
+        homogeneous route did best at each budget (known only once the bench has run; over
+        all eval samples, and in- and out-of-family apart), on the same eval samples, into
+        ``bench_<protocol>_controls/``."""
         from learnroute.bench import run_bench
         from learnroute.summary import load_rows
 
         config = self.config
         rows = load_rows(self.out / f"bench_{protocol}")
-        scores = sample_scores(rows, solved_tasks(rows)[1])
-        best = {best_homogeneous(scores, json.dumps(b)) for b in config.protocol_budgets(protocol)} - {None}
+        # The best method over all eval samples, and over each family split on its own (the
+        # in- and out-of-family answers compare against their own split's best method).
+        calibrated = set(config.calibration)
+        best = set()
+        for part in (rows, [r for r in rows if r["task"] in calibrated], [r for r in rows if r["task"] not in calibrated]):
+            if part:
+                scores = sample_scores(part, solved_tasks(part)[1])
+                best |= {best_homogeneous(scores, json.dumps(b)) for b in config.protocol_budgets(protocol)}
+        best -= {None}
         methods = {r.split(":", 1)[1] for r in best}
         todo = sorted([f"pyramid:{m}" for m in methods if m not in config.pyramid] + [f"adakv:{m}" for m in methods])
         if not todo:

@@ -185,6 +185,11 @@ def test_study_end_to_end_then_nothing_to_redo(tiny_dir, tmp_path, monkeypatch, 
             assert b[f"q1_vs_{kind}_best"]["n"] == 4
             assert {r["sample_id"] for r in controls if r["route"] == b[f"{kind}_best"] and r["budget"] == b["budget"]
                     } == {r["sample_id"] for r in raw if r["route"] == "full"}
+    # each family split compares against its own best homogeneous method's controls
+    for split in ("in", "out"):
+        for b in fam[split]["budgets"]:
+            method = b["best_homogeneous"].split(":")[1]
+            assert (b["pyramid_best"], b["adakv_best"]) == (f"pyramid:{method}", f"adakv:{method}"), (split, b["budget"])
     # the adapter variant: a fixed one-method route with its LoRA folder beside it
     adapted = json.loads((out / "routes" / "learned_homog_adapter.json").read_text())
     assert len({layer["method"] for layer in adapted["layers"]}) == 1
@@ -422,3 +427,36 @@ def test_a_study_grows_by_variants_and_seeds_but_never_changes_what_it_ran(tmp_p
                           (config(variants=grown.variants, seeds=[1, 2], eval_seed=3), "eval_seed")):
         with pytest.raises(ConfigError, match=rf"differs in: {what}\);"):
             prepare_folder(changed, False, True, growable=("variants", "seeds"))
+
+
+def test_controls_follow_each_family_splits_best_method(tmp_path, monkeypatch):
+    """The in- and out-of-family answers compare against their own split's best homogeneous
+    method: when the splits' best methods differ, both get their pyramid: and adakv: controls."""
+    from learnroute import bench
+
+    # in family (calibrated: niah_single_1) snapkv wins; out of family (kv_json) tova wins;
+    # over all samples snapkv (4 in-family wins against 3 out-of-family ones)
+    rows = []
+    for task, n, best in (("niah_single_1", 4, "homogeneous:snapkv"), ("kv_json", 3, "homogeneous:tova")):
+        for i in range(n):
+            for route, score in (("full", 1.0), (best, 1.0),
+                                 *((r, 0.0) for r in ("homogeneous:snapkv", "homogeneous:tova") if r != best)):
+                rows.append({"sample_id": f"{task}/{i}", "task": task, "route": route,
+                             "budget": None if route == "full" else 0.1, "score": score})
+    folder = tmp_path / "study" / "bench_agnostic"
+    folder.mkdir(parents=True)
+    (folder / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = load_config(S.StudyConfig, overrides=[
+        "calibration={niah_single_1: 4}", "eval_tasks={niah_single_1: 4, kv_json: 3}", "budgets=[0.1]",
+        "methods=[snapkv, tova]", "pyramid=[]", f"output={tmp_path / 'study'}"])
+    ran = []
+    monkeypatch.setattr(bench, "run_bench", lambda cfg: ran.append(list(cfg.routes)))
+
+    class Single:
+        is_main_process = True
+
+        def wait_for_everyone(self):
+            pass
+
+    S._Stages(config, tmp_path / "study", Single()).controls("agnostic")
+    assert ran == [["adakv:snapkv", "adakv:tova", "pyramid:snapkv", "pyramid:tova"]]
