@@ -211,11 +211,16 @@ class StudyConfig:
                                 "other families (their eval answers would no longer be out-of-family)")
         return problems
 
+    @property
+    def seed_variants(self) -> set[str]:
+        """The variants ``seeds`` adds: the main variant again per optimisation seed."""
+        return {f"{self.main_variant}{SEED}{k}" for k in self.seeds or []}
+
     def variant_configs(self, out: Path, check: bool = False) -> dict[str, dict[str, Any]]:
         """Per variant the TrainConfig data: defaults <- ``train`` <- the variant's own keys,
         with the study's model, calibration set, budgets and methods."""
         variants = dict(self.variants)
-        for k in self.seeds or []:
+        for k in self.seeds or []:  # named as seed_variants
             variants[f"{self.main_variant}{SEED}{k}"] = {**self.variants.get(self.main_variant, {}), "train_seed": k}
         if self.per_budget:
             for b in self.all_budgets:
@@ -430,7 +435,7 @@ class _Stages:
                 export_cli(run, routes / f"{route_name(name)}.json")
                 if name in self.config.mixture_of:
                     export_cli(run, routes / f"{route_name(name)}_mixture.json", mixture=True)
-                if _warm(data) and SEED not in name:  # the control: the same variant untrained (once)
+                if _warm(data) and name not in self.config.seed_variants:  # the control: the variant untrained (once)
                     start = f"{route_name(name)}{START}"
                     route = export_start(run, routes / f"{start}.json")
                     # Variants that differ only in training (a penalty, a floor, a stream) share
@@ -463,7 +468,7 @@ class _Stages:
         for name, data in variants.items():
             names = [route_name(name)] + ([f"{route_name(name)}_mixture"] if name in config.mixture_of else [])
             start = f"{route_name(name)}{START}"
-            names += [start] if _warm(data) and SEED not in name and start not in shared else []
+            names += [start] if _warm(data) and name not in config.seed_variants and start not in shared else []
             # A variant trained for one budget (per_budget) is benched at that budget only,
             # in the protocols that have that budget.
             pin = ""
@@ -583,6 +588,10 @@ def _label(route: str) -> str:
 def _answers(config: StudyConfig, rows: list[dict], main: str, budgets: list[Budget]) -> dict[str, Any]:
     """Questions 1-3, 5, 6, 8 and the controls per budget over ``rows`` (one protocol, one
     set of eval tasks): the tasks the full cache solves, averages, paired intervals."""
+    # Route names by what they are, not by their suffix: a variant may be called cold_start.
+    variant_routes = {route_name(v) for v in config.variants}
+    starts = {f"{r}{START}": r for r in variant_routes}  # each warm variant's untrained start -> it
+    seeds = {route_name(v) for v in config.seed_variants}
     full_task, valid = solved_tasks(rows)
     all_tasks = not any(s >= VALID_FULL for s in full_task.values())  # say so in the tables
     scores = sample_scores(rows, valid)
@@ -626,11 +635,11 @@ def _answers(config: StudyConfig, rows: list[dict], main: str, budgets: list[Bud
             entry["q6_variants"] = {
                 r: paired(scores[(r, bk)], m, config.bootstrap)
                 for r in routes
-                if (r.startswith("learned") or r.startswith(IMPORTED)) and r != main and not r.endswith(START)
-                and SEED not in r
+                if (r.startswith("learned") or r.startswith(IMPORTED)) and r != main
+                and (r not in starts or r in variant_routes) and r not in seeds
                 and (r, bk) in scores
             }
-            seeded = [main] + [r for r in routes if r.startswith(main + SEED) and (r, bk) in scores]
+            seeded = [main] + [r for r in routes if r in seeds and (r, bk) in scores]
             if len(seeded) > 1:  # the spread over optimisation seeds, beside the intervals over samples
                 means = [avg[r] for r in seeded]
                 entry["seeds"] = {
@@ -652,9 +661,9 @@ def _answers(config: StudyConfig, rows: list[dict], main: str, budgets: list[Bud
         }
         # Q8: every learned route minus its own untrained start (learning's credit)
         entry["q8_vs_start"] = {
-            r[: -len(START)]: paired(scores[(r[: -len(START)], bk)], scores[(r, bk)], config.bootstrap)
-            for r in routes
-            if r.endswith(START) and (r, bk) in scores and (r[: -len(START)], bk) in scores
+            v: paired(scores[(v, bk)], scores[(s, bk)], config.bootstrap)
+            for s, v in sorted(starts.items(), key=lambda x: x[1])
+            if (s, bk) in scores and (v, bk) in scores
         }
         entry["by_task"] = by_task
         per_budget.append(entry)

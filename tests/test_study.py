@@ -460,3 +460,22 @@ def test_controls_follow_each_family_splits_best_method(tmp_path, monkeypatch):
 
     S._Stages(config, tmp_path / "study", Single()).controls("agnostic")
     assert ran == [["adakv:snapkv", "adakv:tova", "pyramid:snapkv", "pyramid:tova"]]
+
+
+def test_routes_are_told_apart_by_what_they_are_not_by_their_suffix():
+    """A variant may be called cold_start (its route ends in _start, as an untrained start's
+    does) or x_seed9 (like the main variant's seeds): Q6 still answers it, Q8 pairs each
+    variant with its own start, and only the main variant's seeds go to the seed spread."""
+    config = load_config(S.StudyConfig, overrides=[
+        "variants={learned: {}, cold_start: {lr: 0.02}, warm: {init_method: snapkv}, x_seed9: {lr: 0.03}}",
+        "seeds=[1]", "budgets=[0.1]"])
+    scores = {"full": [1, 1, 1, 1], "homogeneous:snapkv": [0, 0, 0, 1], "learned": [1, 0, 0, 0],
+              "learned_cold_start": [1, 1, 0, 0], "learned_warm": [1, 1, 1, 0], "learned_warm_start": [0, 0, 0, 0],
+              "learned_x_seed9": [0, 1, 0, 0], "learned_seed1": [1, 1, 1, 1]}
+    rows = [{"sample_id": f"s{i}", "task": "niah_single_1", "route": route, "budget": None if route == "full" else 0.1,
+             "score": float(x)} for route, xs in scores.items() for i, x in enumerate(xs)]
+    e = S._answers(config, rows, "learned", [0.1])["budgets"][0]
+    assert set(e["q6_variants"]) == {"learned_cold_start", "learned_warm", "learned_x_seed9"}
+    assert e["q6_variants"]["learned_cold_start"]["diff"] == pytest.approx(0.25)  # (1+1+0+0)/4 - (1+0+0+0)/4
+    assert set(e["q8_vs_start"]) == {"learned_warm"} and e["q8_vs_start"]["learned_warm"]["diff"] == pytest.approx(0.75)
+    assert set(e["seeds"]["routes"]) == {"learned", "learned_seed1"}
