@@ -520,9 +520,8 @@ class _Stages:
         rows = load_rows(self.out / f"bench_{protocol}")
         # The best method over all eval samples, and over each family split on its own (the
         # in- and out-of-family answers compare against their own split's best method).
-        calibrated = set(config.calibration)
         best = set()
-        for part in (rows, [r for r in rows if r["task"] in calibrated], [r for r in rows if r["task"] not in calibrated]):
+        for part in (rows, *family_split(rows, config.calibration).values()):
             if part:
                 scores = sample_scores(part, solved_tasks(part)[1])
                 best |= {best_homogeneous(scores, json.dumps(b)) for b in config.protocol_budgets(protocol)}
@@ -677,6 +676,12 @@ def _answers(config: StudyConfig, rows: list[dict], main: str, budgets: list[Bud
     }
 
 
+def family_split(rows: list[dict], calibration: dict[str, int]) -> dict[str, list[dict]]:
+    """Bench rows in-family (``"in"``: tasks the routes were calibrated on) and
+    out-of-family (``"out"``: tasks they never saw)."""
+    return {"in": [r for r in rows if r["task"] in calibration], "out": [r for r in rows if r["task"] not in calibration]}
+
+
 def _allocated_over_kept(rows: list[dict], route: str, budget_key: str) -> float | None:
     """The cache ``route`` allocates (its heads padded to each layer's longest) over the
     tokens it keeps, summed over its answers at one budget; None for rows without both."""
@@ -716,8 +721,7 @@ def analyze(folder: str | Path, rescore: bool = False) -> dict[str, Any]:
         answers = _answers(config, rows, main, config.protocol_budgets(protocol))
         # In-family (eval tasks that calibrated the routes) and out-of-family (tasks they
         # never saw), side by side with the same questions and intervals.
-        calibrated = set(config.calibration)
-        split = {"in": [r for r in rows if r["task"] in calibrated], "out": [r for r in rows if r["task"] not in calibrated]}
+        split = family_split(rows, config.calibration)
         if split["in"] and split["out"]:
             answers["families"] = {k: _answers(config, v, main, config.protocol_budgets(protocol)) for k, v in split.items()}
         result["protocols"][protocol] = answers
