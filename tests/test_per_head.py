@@ -271,6 +271,44 @@ def test_per_head_gates_harden_to_exact_per_head_budgets_and_keep_heads_apart():
     assert grad[0].abs().sum() > 0 and grad[1:].abs().sum() == 0
 
 
+def test_head_spread_caps_a_head_at_its_layers_mean_times_the_spread_by_hand():
+    """Layer 0's shares 0.4 / 0.05 / 0.05 (weights 2.4 / 0.3 / 0.3, floor 0) exceed 1.5 x the
+    mean: the top head is capped at 1.5 and its excess split 0.75 / 0.75; layer 1 (1.2 / 0.9 /
+    0.9) is inside the cap and unchanged. At a mean of 10 tokens: 10 x those weights."""
+    from learnroute.gates.gates import Gates
+
+    gates = Gates(["snapkv"], [True, True], n_heads=3, budget_floor=0.0, head_spread=1.5,
+                  init_methods=["snapkv"] * 2, init_shares=[0.4, 0.05, 0.05, 0.2, 0.15, 0.15])
+    assert gates.budgets(10.0, 100).tolist() == pytest.approx([15.0, 7.5, 7.5, 12.0, 9.0, 9.0], abs=1e-4)
+    free = Gates(["snapkv"], [True, True], n_heads=3, budget_floor=0.0,
+                 init_methods=["snapkv"] * 2, init_shares=[0.4, 0.05, 0.05, 0.2, 0.15, 0.15])
+    assert free.budgets(10.0, 100).tolist() == pytest.approx([24.0, 3.0, 3.0, 12.0, 9.0, 9.0], abs=1e-4)
+
+
+@pytest.mark.parametrize("budget", [0.1, 0.45, 40])
+def test_head_spread_bounds_allocated_over_kept_also_where_heads_hit_the_context(budget):
+    """The engine pads a layer's heads to its largest: allocated/kept = H·max/sum per layer.
+    With head_spread 1.5 no layer of the hardened route exceeds 1.5, also at a mean where
+    the concentrated heads are capped at the whole context, and the total stays exact."""
+    from learnroute.gates.gates import Gates
+
+    torch.manual_seed(0)
+    shares = torch.softmax(3 * torch.randn(5 * 3), 0).tolist()  # concentrated: some heads far above their layer
+    for spread, limit in ((None, None), (1.5, 1.5)):
+        gates = Gates(["snapkv"], [True] * 5, n_heads=3, init_methods=["snapkv"] * 5, init_shares=shares, head_spread=spread)
+        route = gates.harden(budget, 100)
+        heads = route.head_budgets(3)  # (L, H)
+        ratios = [3 * max(h) / sum(h) for h in heads]
+        total = sum(sum(h) for h in heads)
+        assert total == (pytest.approx(budget * 15) if isinstance(budget, float) else budget * 15)
+        if limit is None:
+            assert max(ratios) > 1.6  # the case the cap is for
+        elif isinstance(budget, float):
+            assert max(ratios) <= limit + 1e-5
+        else:  # exact integer totals move each head by less than a token
+            assert all(3 * (max(h) - 1) <= limit * (sum(h) + 3) for h in heads)
+
+
 def test_per_head_gates_start_from_a_per_head_route_or_a_per_layer_one(tmp_path):
     from learnroute.config import from_dict
     from learnroute.gates.config import TrainConfig
@@ -297,6 +335,10 @@ def test_granularity_problems_are_named(tmp_path):
 
     with pytest.raises(ConfigError, match="granularity must be one of layer, head"):
         from_dict(TrainConfig, {"granularity": "kv"})
+    with pytest.raises(ConfigError, match=r"head_spread=1.5 limits per-head budgets: it needs granularity: head"):
+        from_dict(TrainConfig, {"head_spread": 1.5})
+    with pytest.raises(ConfigError, match=r"head_spread must be >= 1"):
+        from_dict(TrainConfig, {"granularity": "head", "head_spread": 0.5})
     with pytest.raises(ConfigError, match="granularity: head needs gates that train"):
         from_dict(TrainConfig, {"granularity": "head", "learn": "none", "init_method": "snapkv"})
     ada = Route.adakv("snapkv", 4, 0.2).to_file(tmp_path / "a.json")
@@ -309,10 +351,14 @@ def test_per_head_training_runs_end_to_end_and_refuses_a_route_for_other_heads(t
     from learnroute.engine import Engine as E
     from tests.test_gates import write_config
 
-    cfg = write_config(tmp_path, tiny_dir, granularity="head", steps=2, eval_every=2, save_every=2, select="last")
+    cfg = write_config(tmp_path, tiny_dir, granularity="head", steps=2, eval_every=2, save_every=2, select="last",
+                       head_spread=1.2)
     assert main(["train", "--config", str(cfg)]) == 0
     route = Route.from_file(tmp_path / "run" / "route.json")
     assert route.is_per_head and route.n_heads == 2
+    assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "h.json")]) == 0  # the spread from the checkpoint
+    for r in (route, Route.from_file(tmp_path / "h.json")):
+        assert max(2 * max(h) / sum(h) for h in r.head_budgets(2)) <= 1.2 + 0.05
     assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "x.json"), "--mixture"]) == 0
     mixed = Route.from_file(tmp_path / "x.json")
     assert mixed.is_per_head and all(h.mixture for e in mixed.layers for h in e.heads)

@@ -23,6 +23,7 @@ def checkpoint_meta(config: TrainConfig, model_name: str, n_layers: int, n_heads
         "methods": json.dumps(config.methods),
         "learn": config.learn,
         "budget_floor": json.dumps(config.budget_floor),
+        "head_spread": json.dumps(config.head_spread),
     }
 
 

@@ -100,6 +100,12 @@ class TrainConfig:
         default=0.1, metadata={"help": "final share of steps with straight-through one-hot π (0 = none)"}
     )
     budget_floor: float = field(default=0.05, metadata={"help": "every layer keeps at least this share of the mean"})
+    head_spread: float | None = field(
+        default=None,
+        metadata={"help": "granularity head: each head keeps at most this times its layer's mean head budget "
+                          "(the excess goes to the layer's other heads), so the padded cache allocates at most "
+                          "this times the tokens kept; null = no limit"},
+    )
     init_route: str | None = field(
         default=None, metadata={"help": "route file to start from (e.g. a profile route): methods and budget shape"}
     )
@@ -211,6 +217,12 @@ class TrainConfig:
                 problems.append(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.granularity not in GRANULARITY:
             problems.append(f"granularity must be one of {', '.join(GRANULARITY)}, got {self.granularity!r}")
+        if self.head_spread is not None:
+            if not self.head_spread >= 1.0:
+                problems.append(f"head_spread must be >= 1 (a head's budget over its layer's mean), got {self.head_spread}")
+            if self.granularity != "head":
+                problems.append(f"head_spread={self.head_spread} limits per-head budgets: it needs granularity: head, "
+                                f"got {self.granularity!r}")
         elif self.granularity == "head" and self.learn == "none":
             problems.append("granularity: head needs gates that train (learn: both, methods or budgets); "
                             "learn: none trains an adapter for a fixed route")

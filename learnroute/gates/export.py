@@ -42,7 +42,7 @@ def gates_from_checkpoint(
     if config.learn == "none":
         return cotrain.build_fixed_gates(config, model, n_layers, free), meta
     gates = Gates(config.methods, free, learn="both", budget_floor=json.loads(meta.get("budget_floor", "0.05")),
-                  n_heads=gate_heads(meta))
+                  n_heads=gate_heads(meta), head_spread=json.loads(meta.get("head_spread", "null")))
     with torch.no_grad():
         gates.theta.copy_(tensors["theta"])
         gates.beta.copy_(tensors["beta"])

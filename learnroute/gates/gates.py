@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from learnroute.gates.topk import soft_topk
-from learnroute.methods.budgets import Budget, floored_weights, mean_tokens, round_exact, water_fill
+from learnroute.methods.budgets import Budget, floored_weights, mean_tokens, round_exact, spread_capped, water_fill
 from learnroute.methods.mixing import mix_ranks
 from learnroute.methods.registry import METHODS
 from learnroute.methods.select import kept_count, select
@@ -60,6 +60,7 @@ class Gates(nn.Module):
         init_logit: float = 4.0,
         budget_floor: float = 0.05,
         n_heads: int = 1,
+        head_spread: float | None = None,
     ) -> None:
         super().__init__()
         if learn not in LEARN:
@@ -70,10 +71,13 @@ class Gates(nn.Module):
             raise ValueError(f"budget_floor must be in [0, 1), got {budget_floor}")
         if n_heads < 1:
             raise ValueError(f"n_heads must be >= 1, got {n_heads}")
+        if head_spread is not None and not head_spread >= 1.0:
+            raise ValueError(f"head_spread must be >= 1 (a head's budget over its layer's mean), got {head_spread}")
         self.methods = list(methods)
         self.learn = learn
         self.budget_floor = float(budget_floor)
         self.n_heads = int(n_heads)
+        self.head_spread = None if head_spread is None else float(head_spread)
         self.register_buffer("free", torch.tensor(free, dtype=torch.bool), persistent=False)  # (L,) per layer
         # (L·H,): one gate per (layer, KV head) with n_heads > 1, else per layer
         self.register_buffer("free_units", self.free.repeat_interleave(self.n_heads), persistent=False)
@@ -141,6 +145,8 @@ class Gates(nn.Module):
         if n_free == 0:
             return k
         w = floored_weights(self.shares()[free], self.budget_floor)  # (U_free,), mean 1
+        if self.head_spread is not None and self.n_heads > 1:
+            w = spread_capped(w.view(-1, self.n_heads), self.head_spread).view(-1)  # (L_free, H) -> (U_free,)
         return k.masked_scatter(free, water_fill(w, mean_k * n_free, float(n)))
 
     def harden(self, budget: Budget, context_tokens: int, model: str | None = None) -> Route:

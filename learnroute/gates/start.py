@@ -74,4 +74,5 @@ def build_gates(config: TrainConfig, n_layers: int, free: list[bool], n_heads: i
         init_logit=initial_logit(config),
         budget_floor=config.budget_floor,
         n_heads=n_heads,
+        head_spread=config.head_spread,
     )

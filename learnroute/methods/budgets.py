@@ -17,6 +17,10 @@ One rule for each step:
 - **a floor** (:func:`floored_weights`): every layer's weight is
   ``floor + (1 - floor)·L·share_l`` (mean 1): a layer keeps at least ``floor`` times the
   mean before capping.
+- **a spread cap per layer** (:func:`spread_capped`): a head's weight at most ``r`` times
+  its layer's mean head weight, the excess shared within the layer; water filling keeps
+  it (``min(cap, c·w)`` never raises max/mean), so a padded per-head cache allocates at
+  most ``r`` times the tokens it keeps.
 - **exact integer totals** (:func:`round_exact`): floor, clamp into [1, cap], then single
   tokens to the largest remainders (or from the smallest) until the total is exact.
 - **a route's shape at another mean** (:func:`rescale_budgets`): water filling with the
@@ -114,6 +118,27 @@ def floored_weights(shares: torch.Tensor, floor: float) -> torch.Tensor:
     total = s.sum()
     s = s / total if bool(total > 0) else torch.full_like(s, 1.0 / L)
     return floor + (1 - floor) * L * s
+
+
+def spread_capped(weights: torch.Tensor, spread: float) -> torch.Tensor:
+    """Weights (L, H) with every head at most ``spread`` times its row's mean, each row's
+    sum kept: the excess over the cap goes to the row's other heads in proportion to their
+    weights (:func:`water_fill` within the row). After water filling over all heads (any
+    cap), a row still has max/mean <= ``spread``: ``min(cap, c·w)`` compresses only the top.
+    Why: the engine pads a layer's heads to its largest, so the allocated cache is
+    max·H per layer; this bounds it by ``spread`` x the kept tokens."""
+    if not spread >= 1.0:
+        raise ValueError(f"spread must be >= 1, got {spread}")
+    w = weights.clamp_min(0)  # (L, H)
+    H = w.shape[-1]
+    rows = w.sum(-1)  # (L,)
+    out = []
+    for row, total in zip(w, rows):
+        if not bool(total > 0):
+            out.append(row)
+            continue
+        out.append(water_fill(row / total, 1.0, spread / H) * total)  # (H,), at most spread·mean
+    return torch.stack(out)  # (L, H)
 
 
 def round_exact(values: Sequence[float], total: int, cap: int) -> list[int]:
