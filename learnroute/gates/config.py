@@ -145,6 +145,21 @@ class TrainConfig:
     wandb: bool = field(default=False, metadata={"help": "log to Weights & Biases (offline without network)"})
     wandb_project: str = field(default="learnroute", metadata={"help": "wandb project"})
 
+    def _granularity_problems(self) -> list[str]:
+        problems = []
+        if self.granularity not in GRANULARITY:
+            problems.append(f"granularity must be one of {', '.join(GRANULARITY)}, got {self.granularity!r}")
+        elif self.granularity == "head" and self.learn == "none":
+            problems.append("granularity: head needs gates that train (learn: both, methods or budgets); "
+                            "learn: none trains an adapter for a fixed route")
+        if self.head_spread is not None:
+            if not self.head_spread >= 1.0:
+                problems.append(f"head_spread must be >= 1 (a head's budget over its layer's mean), got {self.head_spread}")
+            if self.granularity != "head":
+                problems.append(f"head_spread={self.head_spread} limits per-head budgets: it needs granularity: head, "
+                                f"got {self.granularity!r}")
+        return problems
+
     def validate(self) -> list[str]:
         """Problems that need no model."""
         problems = []
@@ -215,17 +230,7 @@ class TrainConfig:
         for name in ("entropy_weight", "uniform_weight", "ce_weight", "kl_weight", "first_token_weight", "weight_decay"):
             if getattr(self, name) < 0:
                 problems.append(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.granularity not in GRANULARITY:
-            problems.append(f"granularity must be one of {', '.join(GRANULARITY)}, got {self.granularity!r}")
-        if self.head_spread is not None:
-            if not self.head_spread >= 1.0:
-                problems.append(f"head_spread must be >= 1 (a head's budget over its layer's mean), got {self.head_spread}")
-            if self.granularity != "head":
-                problems.append(f"head_spread={self.head_spread} limits per-head budgets: it needs granularity: head, "
-                                f"got {self.granularity!r}")
-        elif self.granularity == "head" and self.learn == "none":
-            problems.append("granularity: head needs gates that train (learn: both, methods or budgets); "
-                            "learn: none trains an adapter for a fixed route")
+        problems += self._granularity_problems()
         if self.select not in SELECT:
             problems.append(f"select must be one of {', '.join(SELECT)}, got {self.select!r}")
         if self.init_route is not None:
