@@ -100,6 +100,11 @@ def report(argv: list[str]) -> int:
     )
     parser.add_argument("--against", nargs="+", metavar="ROUTE", help="with --paired: only these routes")
     parser.add_argument("--bootstrap", type=int, default=2000, help="with --paired: bootstrap resamples")
+    parser.add_argument(
+        "--main", metavar="VARIANT",
+        help="a study folder: answer every question of this variant instead of the config's main_variant, "
+        "written to study_<VARIANT>.md and .json (study.md is kept)",
+    )
     args = parser.parse_args(argv)
     folder = Path(args.folder)
     if args.against and not args.paired:
@@ -120,9 +125,11 @@ def report(argv: list[str]) -> int:
 
             for bench in sorted(folder.glob("bench_*")):
                 summarize(bench, rescore=args.rescore)
-            analyze(folder, rescore=args.rescore)
-            print((folder / "study.md").read_text())
+            result = analyze(folder, rescore=args.rescore, main_variant=args.main)
+            print((folder / result["answers"]).read_text())
             return 0
+        if args.main is not None:
+            parser.error(f"--main needs a study folder (with config.yaml and bench_*/results.jsonl); {folder} is not one")
         summarize(folder, rescore=args.rescore)
     except (FileNotFoundError, ValueError) as e:
         parser.exit(2, f"learnroute report: error: {e}\n")

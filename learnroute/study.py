@@ -694,16 +694,34 @@ def _allocated_over_kept(rows: list[dict], route: str, budget_key: str) -> float
     return alloc / kept if kept else None
 
 
-def analyze(folder: str | Path, rescore: bool = False) -> dict[str, Any]:
-    """The study's answers from its folders alone; writes study.json and study.md."""
+def analyze(folder: str | Path, rescore: bool = False, main_variant: str | None = None) -> dict[str, Any]:
+    """The study's answers from its folders alone; writes study.json and study.md.
+
+    ``main_variant``: ask every question of another trained variant instead of the config's
+    main (say a candidate for the default recipe), written to ``study_<variant>.json`` and
+    ``.md`` beside the study's own answers, which stay as they are. The config's ``seeds``
+    are the config main's: with another main they are compared as ordinary variants (Q6)."""
+    import dataclasses
+
     import yaml
 
     from learnroute.summary import load_rows
 
     folder = Path(folder)
     config = from_dict(StudyConfig, yaml.safe_load((folder / "config.yaml").read_text()) or {})
+    stem = "study"
+    if main_variant is not None and main_variant != config.main_variant:
+        stem = f"study_{_safe(main_variant)}"
+        if main_variant not in config.variants:
+            raise ValueError(f"main variant {main_variant!r} is not a variant of {folder / 'config.yaml'}; "
+                             f"variants: {', '.join(config.variants)}")
+        seeded = {f"{config.main_variant}{SEED}{k}": {**config.variants[config.main_variant], "train_seed": k}
+                  for k in config.seeds or []}  # the config main's seeds: ordinary variants now
+        config = dataclasses.replace(config, main_variant=main_variant, seeds=None,
+                                     variants={**config.variants, **seeded})
     main = route_name(config.main_variant)
-    result: dict[str, Any] = {"schema": "learnroute.study/1", "config": to_dict(config), "protocols": {}}
+    result: dict[str, Any] = {"schema": "learnroute.study/1", "config": to_dict(config), "answers": f"{stem}.md",
+                              "protocols": {}}
     for protocol in config.protocols:
         bench = folder / f"bench_{protocol}"
         if not (bench / "results.jsonl").is_file():
@@ -730,8 +748,10 @@ def analyze(folder: str | Path, rescore: bool = False) -> dict[str, Any]:
         p = json.loads(placement.read_text())
         result["q4_placement"] = {k: p[k] for k in ("rank", "of", "ties", "given_score", "better_than_fraction")}
         result["q4_placement"]["variant"] = route_name(config.placement_choice(folder / "routes") or "?")
-    atomic_write(folder / "study.json", json.dumps(result, indent=1) + "\n")
-    atomic_write(folder / "study.md", to_markdown(result, main))
+    atomic_write(folder / f"{stem}.json", json.dumps(result, indent=1) + "\n")
+    atomic_write(folder / f"{stem}.md", to_markdown(result, main))
+    if stem != "study":  # the study's own figures stay its main's
+        return result
     plot_scores(result, main, folder / "scores.png")
     routes_file = folder / "routes" / f"{main}.json"
     profile_alloc = folder / "profile" / f"profile_{config.profiled_budget}_alloc.json"
@@ -819,7 +839,7 @@ def _control_lines(res: dict[str, Any], main: str) -> list[str]:
     if any(e.get(f"q1_vs_{k}_best") for k in CONTROL_KINDS for e in res["budgets"]):
         lines += ["", f"Controls: `{main}` minus PyramidKV's allocation over layers and Ada-KV's over "
                   "each layer's KV heads, both over the best homogeneous method (paired, x100):", ""]
-        lines.append("| budget | control route | its score | learned - it |")
+        lines.append(f"| budget | control route | its score | {main} - it |")
         lines.append("|---|---|---|---|")
         for e in res["budgets"]:
             for k in CONTROL_KINDS:
@@ -862,8 +882,8 @@ def to_markdown(result: dict[str, Any], main: str) -> str:
             + (" **No task reaches the threshold with the full cache: averages use every task.**"
                if res.get("no_task_qualifies") else ""),
             "",
-            "| budget | full | best homogeneous | profile | profile_alloc | learned | "
-            "Q1 learned - best homog. | Q2 - profile | Q2 - profile_alloc | Q3 task wins/ties/losses | Q5 gap recovered |",
+            f"| budget | full | best homogeneous | profile | profile_alloc | {main} | "
+            f"Q1 {main} - best homog. | Q2 - profile | Q2 - profile_alloc | Q3 task wins/ties/losses | Q5 gap recovered |",
             "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for e in res["budgets"]:
@@ -891,7 +911,7 @@ def to_markdown(result: dict[str, Any], main: str) -> str:
             lines.append("| task (full cache) | route | " + " | ".join(str(e["budget"]) for e in res["budgets"]) + " |")
             lines.append("|---|---|" + "---|" * len(res["budgets"]))
             for t in sorted(res["full_by_task"]):
-                for i, (label, key) in enumerate((("learned", main), ("best homogeneous", None),
+                for i, (label, key) in enumerate(((main, main), ("best homogeneous", None),
                                                   ("profile", "profile"), ("profile_alloc", "profile_alloc"))):
                     cells = []
                     for e in res["budgets"]:
@@ -952,7 +972,7 @@ def _family_table(families: dict[str, Any], main: str) -> list[str]:
         "out-of-family (tasks they never saw: " + ", ".join(families["out"]["valid_tasks"])
         + f"; {families['out']['n_eval_samples']} samples), paired x100:",
         "",
-        "| budget | family | full | best homogeneous | learned | Q1 learned - best homog. | Q2 - profile_alloc | "
+        f"| budget | family | full | best homogeneous | {main} | Q1 {main} - best homog. | Q2 - profile_alloc | "
         "Q8 - its start |",
         "|---|---|---|---|---|---|---|---|",
     ]

@@ -229,6 +229,24 @@ def test_study_end_to_end_then_nothing_to_redo(tiny_dir, tmp_path, monkeypatch, 
     before = (out / "study.json").read_text()
     assert main(["report", str(out), "--rescore"]) == 0
     assert (out / "study.json").read_text() == before
+    # every question asked of another variant (a candidate default), beside the study's own answers
+    capsys.readouterr()
+    assert main(["report", str(out), "--main", "budgets_only"]) == 0
+    assert (out / "study.json").read_text() == before
+    other = json.loads((out / "study_budgets_only.json").read_text())
+    assert other["answers"] == "study_budgets_only.md"
+    assert "Q1 learned_budgets_only - best homog." in capsys.readouterr().out
+    for b, mine in zip(other["protocols"]["agnostic"]["budgets"], result["protocols"]["agnostic"]["budgets"]):
+        def of(route):
+            return {r["sample_id"]: r["score"] for r in raw_all if r["budget"] == b["budget"] and (
+                r["route"] == route or r["route"].endswith(f"/{route}.json"))}
+        want = paired(of("learned_budgets_only"), of(b["best_homogeneous"]), 200)
+        assert b["q1_vs_best_homogeneous"]["diff"] == pytest.approx(want["diff"])
+        assert "learned_budgets_only" not in b["q6_variants"] and "learned_seed1" in b["q6_variants"]
+        assert b["q6_variants"]["learned"]["diff"] == pytest.approx(-mine["q6_variants"]["learned_budgets_only"]["diff"])
+    with pytest.raises(SystemExit):
+        main(["report", str(out), "--main", "nope"])
+    assert "main variant 'nope' is not a variant" in capsys.readouterr().err
 
 
 def test_per_budget_variants_start_from_that_budgets_profile(tmp_path):
