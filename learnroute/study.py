@@ -309,6 +309,10 @@ class StudyConfig:
         raise ConfigError(f"unknown study token {token!r}; valid: {', '.join(TOKENS)}")
 
 
+# What a study may gain on a resume (never change or lose): variants and seeds train and
+# bench, imported routes bench, a protocol benches every route (training does not depend on
+# the protocols; aware_budgets, which would change the trained budgets, may not grow).
+GROWABLE = ("variants", "seeds", "imported_routes", "protocols")
 CONTROLS = "_controls"  # bench_<protocol>_controls/: pyramid: and adakv:<best homogeneous method>, after the bench
 CONTROL_KINDS = ("pyramid", "adakv")
 SEED = "_seed"  # <main>_seed<k>: the main variant trained with another optimisation seed
@@ -352,7 +356,7 @@ def run_study(config: StudyConfig, overwrite: bool = False) -> Path:
 
     state = process_state()
     # A study grows: variants and seeds added later train and bench; finished ones are kept.
-    out = prepare_folder(config, overwrite, is_main=state.is_main_process, growable=("variants", "seeds", "imported_routes"))
+    out = prepare_folder(config, overwrite, is_main=state.is_main_process, growable=GROWABLE)
     state.wait_for_everyone()
     run = _Stages(config, out, state)
     run.profile()

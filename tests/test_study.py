@@ -426,25 +426,34 @@ def test_val_tasks_must_be_held_out_families():
         load_config(TrainConfig, overrides=["val_tasks={niah_multikey: 2}"])
 
 
-def test_a_study_grows_by_variants_and_seeds_but_never_changes_what_it_ran(tmp_path):
-    """Resuming with a variant or a seed added is allowed (they train and bench; finished
-    cells stay); a changed or dropped variant, or any other change, is refused."""
+def test_a_study_grows_by_variants_seeds_and_protocols_but_never_changes_what_it_ran(tmp_path):
+    """Resuming with a variant, a seed or a protocol added is allowed (they train and bench;
+    finished cells stay); a changed or dropped one, or any other change, is refused."""
     from learnroute.runs import prepare_folder
 
     def config(**kw):
         base = {"output": str(tmp_path / "s"), "variants": {"a": {"lr": 0.01}}, "seeds": [1]}
         return S.StudyConfig(**{**base, **kw})
 
-    prepare_folder(config(), False, True, growable=("variants", "seeds"))
-    grown = config(variants={"a": {"lr": 0.01}, "b": {"lr": 0.02}}, seeds=[1, 2])
-    prepare_folder(grown, False, True, growable=("variants", "seeds"))
-    assert yaml.safe_load((tmp_path / "s" / "config.yaml").read_text())["variants"] == grown.variants
-    for changed, what in ((config(variants={"a": {"lr": 0.02}, "b": {"lr": 0.02}}, seeds=[1, 2]), "variants"),
-                          (config(variants={"b": {"lr": 0.02}}, seeds=[1, 2]), "variants"),
-                          (config(variants=grown.variants, seeds=[2]), "seeds"),
-                          (config(variants=grown.variants, seeds=[1, 2], eval_seed=3), "eval_seed")):
+    prepare_folder(config(), False, True, growable=S.GROWABLE)
+    grown = config(variants={"a": {"lr": 0.01}, "b": {"lr": 0.02}}, seeds=[1, 2], protocols=["agnostic", "aware"])
+    prepare_folder(grown, False, True, growable=S.GROWABLE)
+    saved = yaml.safe_load((tmp_path / "s" / "config.yaml").read_text())
+    assert saved["variants"] == grown.variants and saved["protocols"] == ["agnostic", "aware"]
+    # the trained variants' configs do not depend on the protocols: a grown protocol retrains nothing
+    assert grown.variant_configs(tmp_path / "s")["a"] == config(protocols=["agnostic", "aware"]).variant_configs(
+        tmp_path / "s")["a"] == config().variant_configs(tmp_path / "s")["a"]
+    def changed_from_grown(**kw):
+        return config(**{"variants": grown.variants, "seeds": [1, 2], "protocols": grown.protocols, **kw})
+
+    for changed, what in ((changed_from_grown(variants={"a": {"lr": 0.02}, "b": {"lr": 0.02}}), "variants"),
+                          (changed_from_grown(variants={"b": {"lr": 0.02}}), "variants"),
+                          (changed_from_grown(seeds=[2]), "seeds"),
+                          (changed_from_grown(protocols=["aware"]), "protocols"),
+                          (changed_from_grown(aware_budgets=[0.3]), "aware_budgets"),
+                          (changed_from_grown(eval_seed=3), "eval_seed")):
         with pytest.raises(ConfigError, match=rf"differs in: {what}\);"):
-            prepare_folder(changed, False, True, growable=("variants", "seeds"))
+            prepare_folder(changed, False, True, growable=S.GROWABLE)
 
 
 def test_controls_follow_each_family_splits_best_method(tmp_path, monkeypatch):
