@@ -211,17 +211,21 @@ class StudyConfig:
                                 "other families (their eval answers would no longer be out-of-family)")
         return problems
 
+    def seeded_variants(self) -> dict[str, dict[str, Any]]:
+        """The variants ``seeds`` adds: the main variant's overrides again per optimisation
+        seed, named ``<main>_seed<k>``."""
+        main = self.variants.get(self.main_variant, {})
+        return {f"{self.main_variant}{SEED}{k}": {**main, "train_seed": k} for k in self.seeds or []}
+
     @property
     def seed_variants(self) -> set[str]:
-        """The variants ``seeds`` adds: the main variant again per optimisation seed."""
-        return {f"{self.main_variant}{SEED}{k}" for k in self.seeds or []}
+        """The names of :meth:`seeded_variants`."""
+        return set(self.seeded_variants())
 
     def variant_configs(self, out: Path, check: bool = False) -> dict[str, dict[str, Any]]:
         """Per variant the TrainConfig data: defaults <- ``train`` <- the variant's own keys,
         with the study's model, calibration set, budgets and methods."""
-        variants = dict(self.variants)
-        for k in self.seeds or []:  # named as seed_variants
-            variants[f"{self.main_variant}{SEED}{k}"] = {**self.variants.get(self.main_variant, {}), "train_seed": k}
+        variants = {**self.variants, **self.seeded_variants()}
         if self.per_budget:
             for b in self.all_budgets:
                 variants[f"{self.main_variant}@{b}"] = {**self.variants.get(self.main_variant, {}), "budgets": [b]}
@@ -719,10 +723,9 @@ def analyze(folder: str | Path, rescore: bool = False, main_variant: str | None 
         if main_variant not in config.variants:
             raise ValueError(f"main variant {main_variant!r} is not a variant of {folder / 'config.yaml'}; "
                              f"variants: {', '.join(config.variants)}")
-        seeded = {f"{config.main_variant}{SEED}{k}": {**config.variants[config.main_variant], "train_seed": k}
-                  for k in config.seeds or []}  # the config main's seeds: ordinary variants now
+        # the config main's seeds: ordinary variants now
         config = dataclasses.replace(config, main_variant=main_variant, seeds=None,
-                                     variants={**config.variants, **seeded})
+                                     variants={**config.variants, **config.seeded_variants()})
     main = route_name(config.main_variant)
     result: dict[str, Any] = {"schema": "learnroute.study/1", "config": to_dict(config), "answers": f"{stem}.md",
                               "protocols": {}}

@@ -22,7 +22,7 @@ from learnroute.gates.checkpoint import load_gates
 from learnroute.gates.config import TrainConfig
 from learnroute.gates.gates import Gates
 from learnroute.gates.start import build_gates
-from learnroute.methods.budgets import Budget
+from learnroute.methods.budgets import Budget, unit_weights
 from learnroute.route import LayerRoute, Route, parse_budget
 
 
@@ -125,10 +125,14 @@ def plot_gates(out: Path, path: Path, config: TrainConfig) -> None:
     fig.tight_layout()
     fig.savefig(out / "pi.png", dpi=110)
     plt.close(fig)
-    free = tensors["free"].bool().repeat_interleave(gate_heads(meta))  # (L·H,)
-    shares = torch.softmax(tensors["beta"].masked_fill(~free, float("-inf")), 0) * int(free.sum())
+    H = gate_heads(meta)
+    free = tensors["free"].bool().repeat_interleave(H)  # (L·H,)
+    shares = torch.softmax(tensors["beta"].masked_fill(~free, float("-inf")), 0)  # (L·H,), 0 on fixed units
     floor = config.budget_floor
-    mult = floor + (1 - floor) * shares  # per-layer budget / mean budget (before the context cap)
+    # per-unit budget / mean budget (before the context cap), by the gates' own arithmetic:
+    # the floor, then the checkpoint's head_spread cap; fixed units drawn at the floor
+    w = unit_weights(shares[free], floor, H, json.loads(meta.get("head_spread", "null")))  # (U_free,)
+    mult = torch.full_like(shares, floor).masked_scatter(free, w)  # (L·H,)
     fig, ax = plt.subplots(figsize=(max(5, 0.25 * L), 3))
     ax.bar(range(L), mult.numpy())
     ax.axhline(1.0, color="gray", ls="--", lw=1)

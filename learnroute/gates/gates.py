@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from learnroute.gates.topk import soft_topk
-from learnroute.methods.budgets import Budget, floored_weights, mean_tokens, round_exact, spread_capped, water_fill
+from learnroute.methods.budgets import Budget, mean_tokens, round_exact, unit_weights, water_fill
 from learnroute.methods.mixing import mix_ranks
 from learnroute.methods.registry import METHODS
 from learnroute.methods.select import kept_count, select
@@ -144,9 +144,7 @@ class Gates(nn.Module):
         k = torch.full_like(self.beta, float(n))  # (L·H,)
         if n_free == 0:
             return k
-        w = floored_weights(self.shares()[free], self.budget_floor)  # (U_free,), mean 1
-        if self.head_spread is not None and self.n_heads > 1:
-            w = spread_capped(w.view(-1, self.n_heads), self.head_spread).view(-1)  # (L_free, H) -> (U_free,)
+        w = unit_weights(self.shares()[free], self.budget_floor, self.n_heads, self.head_spread)  # (U_free,)
         return k.masked_scatter(free, water_fill(w, mean_k * n_free, float(n)))
 
     def harden(self, budget: Budget, context_tokens: int, model: str | None = None) -> Route:

@@ -141,6 +141,16 @@ def spread_capped(weights: torch.Tensor, spread: float) -> torch.Tensor:
     return torch.stack(out)  # (L, H)
 
 
+def unit_weights(shares: torch.Tensor, floor: float, n_heads: int = 1, spread: float | None = None) -> torch.Tensor:
+    """The weights (U,) gates water-fill their budgets with, from budget shares (U,) over
+    the free units (a layer's ``n_heads`` heads adjacent): :func:`floored_weights`, then
+    with ``spread`` and more than one head :func:`spread_capped` within each layer."""
+    w = floored_weights(shares, floor)  # (U,), mean 1
+    if spread is not None and n_heads > 1:
+        w = spread_capped(w.view(-1, n_heads), spread).view(-1)  # (L, H) -> (U,)
+    return w
+
+
 def round_exact(values: Sequence[float], total: int, cap: int) -> list[int]:
     """Integers in [1, ``cap``] summing to ``total`` (clipped into [L, L·cap]).
 
