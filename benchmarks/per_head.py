@@ -4,8 +4,10 @@ Issue 21's speed targets, measured as ratios in one process, alternating, on the
 cores:
 
 - **decode**: ``engine.answer`` of per-head routes (each layer's KV heads keep different
-  counts: the engine pads a layer's heads to its longest and masks the padding) against
-  per-layer routes of the same methods keeping the same total tokens per layer. Target:
+  counts) against per-layer routes of the same methods keeping the same total tokens per
+  layer, under both head layouts: ``split`` (the default: each head in its own buffer,
+  attention once per KV head, nothing allocated beyond what is kept) and ``padded`` (a
+  layer's heads padded to its longest, the padding masked, one attention call). Target:
   per-head / per-layer <= 1.3. Every answer decodes exactly ``--max-new-tokens`` tokens
   (EOS held off), so both sides take the same decode steps: routes that keep other tokens
   give other answers, and a longer answer is not a cost of the layout (the free-length
@@ -79,8 +81,10 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     model, tok = lr.load_model()
-    # One decode batch per side: identical decode work apart from the heads' padding.
+    # One decode batch per side: identical decode work apart from the heads' layout.
     engine = lr.Engine(model, tok, max_new_tokens=args.max_new_tokens, max_padding=100.0, park_after=None)
+    padded = lr.Engine(model, tok, max_new_tokens=args.max_new_tokens, max_padding=100.0, park_after=None,
+                       head_layout="padded")
     out = {"threads": args.threads, "budget": args.budget, "routes": args.routes, "lengths": {}}
     for n_tokens in args.tokens:
         sample = needle_sample(tok, n_tokens, depth=0.5, seed=0)
@@ -88,14 +92,19 @@ def main() -> None:
         pairs = route_pairs(engine.n_layers, engine.n_kv_heads, args.budget, args.routes, seed=n_tokens)
         headed, layered = [p[0] for p in pairs], [p[1] for p in pairs]
         res_h, res_l = engine.answer(prefill, headed), engine.answer(prefill, layered)  # warm-up, bytes
+        res_p = padded.answer(prefill, headed)
+        if [r.token_ids for r in res_p] != [r.token_ids for r in res_h]:
+            raise SystemExit("split and padded heads gave different answers")
         kept_h = sum(r.kv_bytes for r in res_h)
         alloc_h = sum(r.allocated_kv_bytes for r in res_h)
+        alloc_p = sum(r.allocated_kv_bytes for r in res_p)
         kept_l = sum(r.kv_bytes for r in res_l)
         steps_h = max(len(r.token_ids) for r in res_h)  # free-length decode steps of each batch
         steps_l = max(len(r.token_ids) for r in res_l)
-        dec_h, dec_l, free_h, free_l = [], [], [], []
+        dec_h, dec_p, dec_l, free_h, free_l = [], [], [], [], []
         for _ in range(args.pairs):
             dec_h.append(time_decode(engine, prefill, headed, args.max_new_tokens))
+            dec_p.append(time_decode(padded, prefill, headed, args.max_new_tokens))
             dec_l.append(time_decode(engine, prefill, layered, args.max_new_tokens))
             free_h.append(time_decode(engine, prefill, headed))
             free_l.append(time_decode(engine, prefill, layered))
@@ -123,20 +132,26 @@ def main() -> None:
         fig = {
             "decode_per_head_s": statistics.median(dec_h), "decode_per_layer_s": statistics.median(dec_l),
             "decode_ratio": statistics.median(dec_h) / statistics.median(dec_l),
+            "decode_padded_s": statistics.median(dec_p),
+            "decode_padded_ratio": statistics.median(dec_p) / statistics.median(dec_l),
             "decode_tokens": args.max_new_tokens,
             "free_decode_ratio": statistics.median(free_h) / statistics.median(free_l),
             "free_decode_steps_per_head": steps_h, "free_decode_steps_per_layer": steps_l,
             "kept_bytes_per_head": kept_h, "allocated_bytes_per_head": alloc_h, "kept_bytes_per_layer": kept_l,
             "allocated_over_kept": alloc_h / kept_h,
+            "allocated_padded_bytes_per_head": alloc_p, "allocated_over_kept_padded": alloc_p / kept_h,
             "step_per_head_s": statistics.median(st_h), "step_per_layer_s": statistics.median(st_l),
             "step_ratio": statistics.median(st_h) / statistics.median(st_l),
         }
         out["lengths"][n_tokens] = fig
-        print(f"{n_tokens} tokens: decode {args.routes} routes per-head {fig['decode_per_head_s']:.2f} s vs per-layer "
-              f"{fig['decode_per_layer_s']:.2f} s (x{fig['decode_ratio']:.2f}; target <= 1.3; {args.max_new_tokens} tokens each; free length "
+        print(f"{n_tokens} tokens: decode {args.routes} routes per-head {fig['decode_per_head_s']:.2f} s "
+              f"(split heads) / {fig['decode_padded_s']:.2f} s (padded heads) vs per-layer "
+              f"{fig['decode_per_layer_s']:.2f} s (x{fig['decode_ratio']:.2f} split, x{fig['decode_padded_ratio']:.2f} "
+              f"padded; target <= 1.3; {args.max_new_tokens} tokens each; free length (split) "
               f"x{fig['free_decode_ratio']:.2f} with {steps_h} vs {steps_l} steps); kept bytes "
-              f"{kept_h / 2**20:.2f} vs {kept_l / 2**20:.2f} MiB, allocated {alloc_h / 2**20:.2f} MiB "
-              f"(x{fig['allocated_over_kept']:.2f}); train step per-head {fig['step_per_head_s']:.3f} s vs "
+              f"{kept_h / 2**20:.2f} vs {kept_l / 2**20:.2f} MiB, allocated {alloc_h / 2**20:.2f} MiB split "
+              f"(x{fig['allocated_over_kept']:.2f}), {alloc_p / 2**20:.2f} MiB padded "
+              f"(x{fig['allocated_over_kept_padded']:.2f}); train step per-head {fig['step_per_head_s']:.3f} s vs "
               f"per-layer {fig['step_per_layer_s']:.3f} s (x{fig['step_ratio']:.2f}; target <= 1.2)", flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -110,7 +110,7 @@ class RouteResult:
     first_logits: torch.Tensor | None = None  # (vocab,) logits of the first answer token
     seconds: float = 0.0  # this route's share of the batched decode
     kept_per_head: list[tuple[int, ...]] | None = None  # per layer, per KV head (per-head routes)
-    allocated_kv_bytes: int | None = None  # bytes the route's own cache occupies, per-head padding included
+    allocated_kv_bytes: int | None = None  # bytes the route's own cache occupies (padded heads: with their padding)
 
     @property
     def kv_fraction(self) -> float:
@@ -156,6 +156,9 @@ def pack_batches(shapes: list[list[int]], max_batch: int, max_padding: float) ->
     return batches
 
 
+HEAD_LAYOUTS = ("split", "padded")
+
+
 class Engine:
     """Prefill once, score all methods, compress to any route, decode in batches.
 
@@ -166,7 +169,12 @@ class Engine:
     kept counts decode together when padding them costs at most that factor in cache size
     (:func:`pack_batches`; 1 = identical shapes only); ``park_after``: when routes need
     several batches, answers still unfinished after that many tokens are set aside and
-    finished together in fresh batches (None: every batch decodes to its end).
+    finished together in fresh batches (None: every batch decodes to its end);
+    ``head_layout``: how a layer whose KV heads keep different counts (per-head routes) is
+    laid out for decoding: ``"split"`` (default), each head in a buffer of its own length and
+    attention once per KV head, so a route allocates exactly what it keeps; ``"padded"``, one
+    (R, H_kv, n, d) tensor padded to the layer's longest head, the padding masked (one
+    attention call per layer; allocates up to H_kv times what the layer keeps).
     """
 
     def __init__(
@@ -180,7 +188,10 @@ class Engine:
         method_options: dict[str, dict] | None = None,
         max_padding: float = 4.0,
         park_after: int | None = 12,
+        head_layout: str = "split",
     ) -> None:
+        if head_layout not in HEAD_LAYOUTS:
+            raise ValueError(f"head_layout must be one of {', '.join(HEAD_LAYOUTS)}, got {head_layout!r}")
         if max_padding < 1:
             raise ValueError(f"max_padding must be >= 1 (1 = batch identical shapes only), got {max_padding}")
         if max_new_tokens < 1:
@@ -196,6 +207,7 @@ class Engine:
         self.max_batch = max_batch
         self.max_padding = max_padding
         self.park_after = park_after
+        self.head_layout = head_layout
         self.method_options = method_options or {}
         self._methods: dict[str, Method] = {}
         self._adapters: dict[Path, _adapter.Adapter] = {}
@@ -391,14 +403,22 @@ class Engine:
         heads: list[list[tuple[int, ...]]],
         extra: int = 0,
         workspace: torch.Tensor | None = None,
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        split: list[bool] | None = None,
+    ) -> list[tuple]:
         """Per layer (R, H_kv, k_l + extra, d) keys and values whose first slots hold each
         route's kept tokens, per KV head (``heads``: per route, per layer, per head; k_l: the
         most any route's head keeps there; a head that keeps fewer leaves padding after its
-        own); carved one after another from ``workspace`` if given."""
+        own); carved one after another from ``workspace`` if given. A layer marked in
+        ``split`` comes as lists of per-head (R, 1, k_lh + extra, d) buffers instead
+        (k_lh: the most any route keeps in head h there; see :meth:`_split_kv`)."""
         offset, kv = 0, []
         for layer in range(len(prefill.layers)):
             out = None if workspace is None else workspace[offset:]
+            if split is not None and split[layer]:
+                k, v = self._split_kv(prefill, routes, heads, layer, extra, out)
+                offset += sum(t.numel() for t in (*k, *v))
+                kv.append((k, v))
+                continue
             longest = max(max(c[layer]) for c in heads)
             k, v = self._empty_kv(prefill, layer, len(routes), longest + extra, out)
             offset += k.numel() + v.numel()
@@ -406,10 +426,43 @@ class Engine:
             kv.append((k, v))
         return kv
 
-    def _empty_kv(self, prefill: Prefill, layer: int, rows: int, length: int, out: torch.Tensor | None = None):
-        """Uninitialised (rows, H_kv, length, d) keys and values, carved from ``out`` if given."""
+    def _split_kv(
+        self, prefill: Prefill, routes: list[Route], heads: list[list[tuple[int, ...]]], layer: int, extra: int,
+        out: torch.Tensor | None,
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """One layer's kept keys and values per KV head: head h's (R, 1, k_h + extra, d)
+        buffers hold each route's kept tokens of that head first (k_h: the most any route
+        keeps in head h; a route keeping fewer leaves padding after its own, position 0
+        copies, as in :meth:`_gather_into`); carved one after another from ``out``."""
+        cap = prefill.layers[layer]
+        _, h, n, d = cap.keys.shape
+        dv = cap.values.shape[-1]
+        parts = [self._layer_indices(prefill, route, layer, kept[layer]) for route, kept in zip(routes, heads)]
+        # (1, H_kv, max(kept)) each; head j's row holds its own positions, then position 0
+        r, offset, ks, vs = len(routes), 0, [], []
+        for j in range(h):
+            longest = max(kept[layer][j] for kept in heads)
+            idx = torch.cat([
+                torch.nn.functional.pad(p[:, j : j + 1, :longest], (0, max(0, longest - p.shape[-1]))) for p in parts
+            ])  # (R, 1, k_j)
+            k, v = self._empty_kv(prefill, layer, r, longest + extra, None if out is None else out[offset:], 1)
+            offset += k.numel() + v.numel()
+            keys, values = cap.keys[:, j : j + 1], cap.values[:, j : j + 1]  # (1, 1, n, d)
+            torch.gather(keys.expand(r, 1, n, d), 2, idx.unsqueeze(-1).expand(-1, -1, -1, d), out=k[:, :, :longest])
+            torch.gather(values.expand(r, 1, n, dv), 2, idx.unsqueeze(-1).expand(-1, -1, -1, dv), out=v[:, :, :longest])
+            ks.append(k)
+            vs.append(v)
+        return ks, vs
+
+    def _empty_kv(
+        self, prefill: Prefill, layer: int, rows: int, length: int, out: torch.Tensor | None = None,
+        n_heads: int | None = None,
+    ):
+        """Uninitialised (rows, n_heads, length, d) keys and values (n_heads: H_kv unless
+        given), carved from ``out`` if given."""
         cap = prefill.layers[layer]
         _, h, _, d = cap.keys.shape
+        h = h if n_heads is None else n_heads
         dv = cap.values.shape[-1]
         if out is None:
             return cap.keys.new_empty(rows, h, length, d), cap.values.new_empty(rows, h, length, dv)
@@ -464,15 +517,35 @@ class Engine:
         :meth:`answer` call: fresh multi-MB allocations page-fault, which on a CPU VM can
         cost more than filling them).
         """
-        buffers = self._kept_kv(prefill, routes, heads, extra, workspace)
-        counts = [[max(c) for c in per_route] for per_route in heads]
-        valid = []
+        split = self._split_layers(heads)
+        buffers = self._kept_kv(prefill, routes, heads, extra, workspace, split)
+        lengths, valid = [], []
         for layer, per_row in enumerate(zip(*heads)):  # one layer's head counts per route
             if all(min(c) == max(c) for c in per_row):
                 valid.append(row_lengths([c[0] for c in per_row], self.model.device))
             else:
                 valid.append(torch.tensor(per_row, dtype=torch.long, device=self.model.device))  # (R, H_kv)
-        return _hf.cache_from_buffers(self.model, buffers, padded_shape(counts), valid)
+            lengths.append([max(col) for col in zip(*per_row)] if split[layer] else max(map(max, per_row)))
+        return _hf.cache_from_buffers(self.model, buffers, lengths, valid)
+
+    def _split_layers(self, heads: list[list[tuple[int, ...]]]) -> list[bool]:
+        """Per layer: are its KV heads laid out apart for this batch (``heads``: per route,
+        per layer, per head)? Under ``head_layout="split"``, where some route's heads keep
+        different counts."""
+        if self.head_layout != "split":
+            return [False] * len(heads[0])
+        return [any(min(c) != max(c) for c in per_row) for per_row in zip(*heads)]
+
+    def _slots(self, heads: list[list[tuple[int, ...]]], extra: int) -> int:
+        """Token slots per KV head and row that :meth:`_decode_cache` carves for a batch
+        (``heads``: per route, per layer, per head), over all layers."""
+        total = 0
+        for split, per_row in zip(self._split_layers(heads), zip(*heads)):
+            if split:
+                total += sum(max(col) + extra for col in zip(*per_row))
+            else:
+                total += len(per_row[0]) * (max(map(max, per_row)) + extra)
+        return total
 
     # ------------------------------------------------------------------ decode
 
@@ -696,10 +769,9 @@ class Engine:
         max_new = max_new_tokens or self.max_new_tokens
         q = prefill.prompt.question_ids.shape[1]
         extra = q + max_new  # tokens each layer's cache grows by
-        workspace = cap0.keys.new_empty(
-            max(len(b) * per_row * (sum(padded_shape([counts[i] for i in b])) + extra * len(counts[b[0]]))
-                for _, b in batches)
-        )
+        per_slot = per_row // cap0.keys.shape[1]  # elements of one KV head's kept token
+        workspace = cap0.keys.new_empty(max(len(b) * per_slot * self._slots([heads[i] for i in b], extra)
+                                            for _, b in batches))
         # Park unfinished rows after park_after tokens and finish them together (see _resume):
         # a batch's last few long answers would otherwise step on alone, batch by batch.
         # Parked rows are re-laid out per row; rows whose heads keep different counts are not
@@ -756,7 +828,8 @@ class Engine:
                 first_logits=logits[i],
                 seconds=seconds[i],
                 kept_per_head=heads[i] if route.is_per_head else None,
-                allocated_kv_bytes=per_token * sum(counts[i]),
+                allocated_kv_bytes=(per_head_token * sum(sum(c) for c in heads[i]) if self.head_layout == "split"
+                                    else per_token * sum(counts[i])),
             )
             for i, route in enumerate(routes)
         ]

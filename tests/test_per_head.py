@@ -125,13 +125,16 @@ def test_a_per_head_route_whose_heads_agree_answers_like_the_per_layer_route(tin
     torch.testing.assert_close(a.first_logits, b.first_logits)
 
 
+@pytest.mark.parametrize("layout", ["split", "padded"])
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_heads_keep_their_own_tokens_as_masking_the_evicted_ones_does(tokenizer, sample, attn):
+def test_heads_keep_their_own_tokens_as_masking_the_evicted_ones_does(tokenizer, sample, attn, layout):
     """Independent reference: the full cache with a -inf bias on every position a head
-    evicts, positions chosen by torch.topk over each head's own method's scores."""
+    evicts, positions chosen by torch.topk over each head's own method's scores. Split heads
+    (each in its own buffer, attention per KV head) allocate exactly what they keep; padded
+    heads allocate the layer's longest head for every head."""
     model = make_tiny(tokenizer, attn=attn, seed=3)
     route = per_head_route()
-    engine = Engine(model, tokenizer, max_new_tokens=6, max_padding=100.0)
+    engine = Engine(model, tokenizer, max_new_tokens=6, max_padding=100.0, head_layout=layout)
     pre = engine.prefill(engine.encode(sample.context, sample.question))
     n = pre.n_tokens
     heads = engine.kept_head_counts(route, n)
@@ -149,8 +152,47 @@ def test_heads_keep_their_own_tokens_as_masking_the_evicted_ones_does(tokenizer,
         per_head_token = (cap.keys.shape[-1] + cap.values.shape[-1]) * cap.keys.element_size()
         assert got.kept_per_head == heads and got.kept_per_layer == [max(c) for c in heads]
         assert got.kv_bytes == per_head_token * sum(map(sum, heads))  # what the route asks for
-        assert got.allocated_kv_bytes == per_head_token * H * sum(map(max, heads))  # with its heads' padding
+        allocated = sum(map(sum, heads)) if layout == "split" else H * sum(map(max, heads))  # padded: the longest head
+        assert got.allocated_kv_bytes == per_head_token * allocated
     assert not any(hasattr(m, "_learnroute_padding") for m in lr._hf.attention_modules(model))
+
+
+def test_split_heads_of_several_routes_share_a_batch_and_rows_leave_it(tokenizer, sample, monkeypatch):
+    """Per-head routes of different shapes in one batch of split heads (each head padded
+    across rows only), rows leaving the batch as they end: every answer is the masked full
+    cache's answer (the reference above), cut where the route's answer ended."""
+    from learnroute._hf.cache import _SplitHeadsLayer
+
+    model = make_tiny(tokenizer, seed=3)
+    engine = Engine(model, tokenizer, max_new_tokens=8, max_padding=100.0)
+    routes = [per_head_route(), Route([
+        LayerRoute.per_head([LayerRoute("knorm", 0.6), LayerRoute("snapkv", 0.2)]),
+        LayerRoute.per_head([LayerRoute("tova", 10), LayerRoute("knorm", 70)]),
+        LayerRoute("keydiff", 0.4),
+        LayerRoute.per_head([LayerRoute("knorm", 0.05), LayerRoute("h2o", 0.3)]),
+    ]), Route.homogeneous("knorm", 4, 0.25)]
+    pre = engine.prefill(engine.encode(sample.context, sample.question))
+    selected = []
+    select = _SplitHeadsLayer.batch_select_indices
+    monkeypatch.setattr(_SplitHeadsLayer, "batch_select_indices",
+                        lambda self, idx: (selected.append(len(idx)), select(self, idx))[1])
+    heads = [engine.kept_head_counts(r, pre.n_tokens) for r in routes]
+    q = pre.prompt.question_ids.shape[1]
+    cache = engine._decode_cache(pre, routes, heads, q + 8, None)
+    assert all(isinstance(x, _SplitHeadsLayer) for x in cache.layers)  # a per-head row in every layer
+    ends = [2, 8, 3]  # rows end after these many tokens; two of three ended: they leave the batch
+    tokens, _, _ = engine._decode(cache, pre.prompt.question_ids, pre.n_tokens, 3, 8,
+                                  done_if=lambda row, toks: len(toks) >= ends[row])
+    got = engine.answer(pre, routes)
+    for route, result in zip(routes, got):
+        heads = engine.kept_head_counts(route, pre.n_tokens)
+        kept = [[topk_positions(engine, pre, layer, h.method, k, j) for j, (h, k) in enumerate(zip(e.head_entries(H), c))]
+                for layer, (e, c) in enumerate(zip(route.layers, heads))]
+        want, _ = greedy_with_masks(model, pre, kept, 8)
+        assert result.token_ids == want  # batched together, to the end
+        assert tokens[routes.index(route)] == want[: ends[routes.index(route)]]  # rows leaving the batch
+        assert result.allocated_kv_bytes == result.kv_bytes
+    assert selected == [1] * 4  # the batch went on with its last row, in each (split) layer
 
 
 def test_a_per_head_route_for_another_head_count_is_refused_before_any_prefill(tiny, tokenizer, sample, monkeypatch):

@@ -145,13 +145,61 @@ def _sdpa_gqa(query, key, value, mask, dropout: float, scaling: float | None):
     return out.transpose(1, 2).contiguous(), None  # (B, q, H_q, d)
 
 
+def _attend(module, query, key, value, attention_mask, padding, bias, eager: bool, dropout, kwargs):
+    """Attention of ``query`` (B, H_q, q, d) over ``key``/``value`` (B, H_kv, kv, d), with
+    this layer's own mask where the stock one does not fit (see :func:`_layer_mask`)."""
+    q, kv = query.shape[2], key.shape[2]
+    rebuild = getattr(module, _OWN_MASKS_ATTR, False)  # models with sliding-window layers
+    # Without a mask, several queries over a longer cache need one aligned to the end of
+    # the keys (sdpa's is_causal would align it to the start); see forward_from_layer.
+    if (
+        bias is not None
+        or rebuild
+        or padding is not None
+        or (attention_mask is not None and attention_mask.shape[-1] != kv)
+        or (attention_mask is None and (eager or 1 < q != kv))
+    ):
+        attention_mask = _layer_mask(
+            attention_mask, q, kv, query, bias, eager, rebuild, kwargs.get("sliding_window"), padding
+        )
+    if eager:
+        return _eager_function(module)(module, query, key, value, attention_mask, dropout=dropout, **kwargs)
+    if attention_mask is not None and query.device.type == "cpu" and key.shape[1] != query.shape[1]:
+        return _sdpa_gqa(query, key, value, attention_mask, dropout, kwargs.get("scaling"))
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, **kwargs)
+
+
+def _split_heads(module, query, keys, values, layer, bias, eager: bool, dropout, kwargs):
+    """Attention over a layer of split KV heads (``keys``/``values``: per KV head
+    (B, 1, n_h, d), from :class:`~learnroute._hf.cache._SplitHeadsLayer`): each KV head's
+    group of query heads attends to that head's own keys, its rows' padding masked; the
+    outputs are joined in head order, as one grouped attention would give them."""
+    h_kv = len(keys)
+    g = query.shape[1] // h_kv  # query heads per KV head (GQA grouping)
+    if bias is not None and bias.shape[1] not in (h_kv, query.shape[1]):
+        raise ValueError(f"attention bias has {bias.shape[1]} heads; this layer has {h_kv} KV heads")
+    outs = []
+    for h, (k, v) in enumerate(zip(keys, values)):
+        part = None
+        if bias is not None:  # (B, H_kv or H_q, n) -> this KV head's (B, 1 or g, n)
+            part = bias[:, h : h + 1] if bias.shape[1] == h_kv else bias[:, h * g : (h + 1) * g]
+        out, _ = _attend(
+            module, query[:, h * g : (h + 1) * g], k, v, None, (layer.valid[:, h], layer.pad_ends[h]), part, eager,
+            dropout, kwargs,
+        )  # (B, q, g, d)
+        outs.append(out)
+    return torch.cat(outs, dim=2), None  # (B, q, H_q, d)
+
+
 def _routed(eager: bool):
     def attention(module, query, key, value, attention_mask, dropout=0.0, **kwargs):
-        q, kv = query.shape[2], key.shape[2]
         bias = getattr(module, _BIAS_ATTR, None)
-        # Models with sliding-window layers rebuild every mask (see _layer_mask).
-        rebuild = getattr(module, _OWN_MASKS_ATTR, False)
         layer = getattr(module, _PAD_ATTR, None)  # a padded cache layer (padded_keys)
+        if getattr(layer, "split_heads", False):  # one attention per KV head, over the layer's own heads
+            return _split_heads(module, query, layer.keys, layer.values, layer, bias, eager, dropout, kwargs)
+        if key.shape[2] == 0:
+            raise ValueError("a layer of split KV heads decodes inside padded_keys only")
+        q, kv = query.shape[2], key.shape[2]
         padding = None if layer is None or layer.valid is None else (layer.valid, layer.pad_end)
         press = getattr(module, _PRESS_PAD_ATTR, None)  # set by RoutedPress for a per-head layer
         if press is not None:
@@ -159,23 +207,7 @@ def _routed(eager: bool):
                 delattr(module, _PRESS_PAD_ATTR)  # resets its masked_key_indices)
             elif padding is None:
                 padding = press
-        # Without a mask, several queries over a longer cache need one aligned to the end of
-        # the keys (sdpa's is_causal would align it to the start); see forward_from_layer.
-        if (
-            bias is not None
-            or rebuild
-            or padding is not None
-            or (attention_mask is not None and attention_mask.shape[-1] != kv)
-            or (attention_mask is None and (eager or 1 < q != kv))
-        ):
-            attention_mask = _layer_mask(
-                attention_mask, q, kv, query, bias, eager, rebuild, kwargs.get("sliding_window"), padding
-            )
-        if eager:
-            return _eager_function(module)(module, query, key, value, attention_mask, dropout=dropout, **kwargs)
-        if attention_mask is not None and query.device.type == "cpu" and key.shape[1] != query.shape[1]:
-            return _sdpa_gqa(query, key, value, attention_mask, dropout, kwargs.get("scaling"))
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, **kwargs)
+        return _attend(module, query, key, value, attention_mask, padding, bias, eager, dropout, kwargs)
 
     return attention
 

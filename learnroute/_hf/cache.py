@@ -150,6 +150,84 @@ class _PreallocatedLayer(DynamicLayer):
         self._views()
 
 
+class _SplitHeadsLayer(DynamicLayer):
+    split_heads = True
+
+    """A layer whose KV heads keep different numbers of tokens, each head in a buffer of its
+    own length: what a per-head route keeps, with no padding between its heads.
+
+    Why not one (B, H_kv, n, d) tensor: its heads would be padded to the longest head, and
+    a learned per-head route that concentrates a layer on one head allocates up to H_kv
+    times what it keeps. Attention runs once per KV head over that head's own keys, the
+    tuples ``keys``/``values``; no varlen kernel is needed. ``update`` hands attention empty
+    (B, H_kv, 0, d) stand-ins: attention functions take tensors (kvpress wraps every one and
+    reads their shapes), and route-aware attention reads the heads from this layer instead
+    (:func:`~learnroute._hf.attention.padded_keys` puts it on the module).
+
+    Head h's buffer is (B, 1, capacity_h, d). Row b of head h holds ``valid[b, h]`` context
+    tokens in slots [0, valid[b, h]); slots up to ``pad_ends[h]`` (the longest row of that
+    head) are padding between rows of a batch, masked like a padded layer's; later tokens
+    go after ``pad_ends[h]`` in every row.
+    """
+
+    def __init__(
+        self, key_buffers: list[torch.Tensor], value_buffers: list[torch.Tensor], lengths: list[int],
+        valid: torch.Tensor,
+    ) -> None:
+        super().__init__()
+        self.dtype, self.device = key_buffers[0].dtype, key_buffers[0].device
+        self._k, self._v = list(key_buffers), list(value_buffers)  # per head: (B, 1, capacity_h, d)
+        self.valid = valid  # (B, H_kv)
+        self.pad_ends = list(lengths)
+        self._new = 0  # tokens written after the context, the same in every head
+        self.is_initialized = True
+        self._views()
+
+    def _views(self) -> None:
+        # The attention inputs: per head, (B, 1, pad_end_h + new, d) views of the buffers.
+        self.keys = tuple(k[:, :, : e + self._new] for k, e in zip(self._k, self.pad_ends))
+        self.values = tuple(v[:, :, : e + self._new] for v, e in zip(self._v, self.pad_ends))
+
+    def get_seq_length(self) -> int:
+        # What a padded layer of these heads would report (its longest head): used only for
+        # positions and mask sizes, which route-aware attention rebuilds per head anyway.
+        return max(self.pad_ends) + self._new
+
+    def update(self, key_states, value_states, cache_kwargs=None):
+        t = key_states.shape[-2]  # key_states: (B, H_kv, t, d)
+        for h, end in enumerate(self.pad_ends):
+            at = end + self._new
+            if at + t > self._k[h].shape[-2]:  # out of room: grow this head like a DynamicLayer
+                self._k[h] = torch.cat([self._k[h][:, :, :at], key_states[:, h : h + 1]], dim=-2)
+                self._v[h] = torch.cat([self._v[h][:, :, :at], value_states[:, h : h + 1]], dim=-2)
+            else:
+                self._k[h][:, :, at : at + t].copy_(key_states[:, h : h + 1])  # (B, 1, t, d)
+                self._v[h][:, :, at : at + t].copy_(value_states[:, h : h + 1])
+        self._new += t
+        self._views()
+        return key_states[:, :, :0], value_states[:, :, :0]  # (B, H_kv, 0, d): the heads are on the layer
+
+    def crop(self, max_length: int) -> None:
+        raise NotImplementedError("a layer of split KV heads cannot be cropped")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._k = [k.repeat_interleave(repeats, 0) for k in self._k]
+        self._v = [v.repeat_interleave(repeats, 0) for v in self._v]
+        self.valid = self.valid.repeat_interleave(repeats, 0)
+        self._views()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.batch_select_indices(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        # Copies, unlike _PreallocatedLayer's in-place move: H_kv small buffers per layer,
+        # and finished rows leave the batch only when half of them are done.
+        self._k = [k[indices] for k in self._k]
+        self._v = [v[indices] for v in self._v]
+        self.valid = self.valid[indices]
+        self._views()
+
+
 def local_attention_layers(model: PreTrainedModel) -> list[bool]:
     """Per layer: is it a local (sliding-window) attention layer of a model that mixes
     local and global layers (Gemma3)? kvpress never compresses those; neither do we."""
@@ -201,13 +279,24 @@ def cache_from_buffers(
     ``valid[l]`` (B,) or (B, H_kv), where given, says how many of those positions each row
     (each KV head of each row: per-head routes) really holds
     (the rest is padding, masked inside :func:`~learnroute._hf.attention.padded_keys`).
+
+    A layer whose KV heads keep different counts may instead come as split heads: lists of
+    per-head buffers (B, 1, capacity_h, d), ``lengths[l]`` per head and ``valid[l]``
+    (B, H_kv) (see :class:`_SplitHeadsLayer`).
     """
     cache = DynamicCache(config=model.config)
     valid = valid or [None] * len(buffers)
     for layer_idx, ((kb, vb), n, ok) in enumerate(zip(buffers, lengths, valid)):
+        split = isinstance(kb, (list, tuple))
         if type(cache.layers[layer_idx]) is not DynamicLayer:
-            if ok is not None:
+            if ok is not None or split:
                 raise ValueError(f"layer {layer_idx} keeps a sliding window: its rows cannot be padded")
+        if split:
+            if ok is None or ok.dim() != 2:
+                raise ValueError(f"layer {layer_idx}: split heads need valid counts per (row, KV head)")
+            cache.layers[layer_idx] = _SplitHeadsLayer(kb, vb, n, ok)
+            continue
+        if type(cache.layers[layer_idx]) is not DynamicLayer:
             # Sliding-window layers keep their own bookkeeping: hand them the tokens instead.
             cache.update(kb[:, :, :n], vb[:, :, :n], layer_idx)
         else:
