@@ -839,12 +839,13 @@ def _ci(c: dict | None) -> str:
     return f"{100 * c['diff']:+.1f} [{100 * c['lo']:+.1f}, {100 * c['hi']:+.1f}] {c['verdict']}"
 
 
-def _control_lines(res: dict[str, Any], main: str) -> list[str]:
-    """study.md's tables of the controls (pyramid: and adakv:<best>) and of Q9 (per-head
-    learning), for one protocol and family split."""
+def _control_lines(res: dict[str, Any], main: str, where: str = "") -> list[str]:
+    """study.md's tables of the controls (pyramid: and adakv:<best>), of Q9 (per-head
+    learning) and of Q8 (each learned route minus its start), for one protocol and family
+    split (``where``: how the split is named in the tables' captions; empty for all)."""
     lines: list[str] = []
     if any(e.get(f"q1_vs_{k}_best") for k in CONTROL_KINDS for e in res["budgets"]):
-        lines += ["", f"Controls: `{main}` minus PyramidKV's allocation over layers and Ada-KV's over "
+        lines += ["", f"Controls{where}: `{main}` minus PyramidKV's allocation over layers and Ada-KV's over "
                   "each layer's KV heads, both over the best homogeneous method (paired, x100):", ""]
         lines.append(f"| budget | control route | its score | {main} - it |")
         lines.append("|---|---|---|---|")
@@ -855,7 +856,7 @@ def _control_lines(res: dict[str, Any], main: str) -> list[str]:
                                  f"{_ci(e.get(f'q1_vs_{k}_best'))} |")
     per_head = sorted({v for e in res["budgets"] for v in e.get("q9_per_head", {})})
     if per_head:
-        lines += ["", "Q9, per-head learning (`granularity: head`): each per-head route minus the main "
+        lines += ["", f"Q9{where}, per-head learning (`granularity: head`): each per-head route minus the main "
                   f"per-layer route `{main}`, and minus `adakv:<best homogeneous method>` (paired, x100):", ""]
         lines.append("| route | versus | " + " | ".join(str(e["budget"]) for e in res["budgets"]) + " |")
         lines.append("|---|---|" + "---|" * len(res["budgets"]))
@@ -864,8 +865,16 @@ def _control_lines(res: dict[str, Any], main: str) -> list[str]:
                 lines.append(f"| {v} | {label} | " + " | ".join(
                     _ci(e.get("q9_per_head", {}).get(v, {}).get(key)) for e in res["budgets"]) + " |")
             ratios = [e.get("q9_per_head", {}).get(v, {}).get("allocated_over_kept") for e in res["budgets"]]
-            lines.append(f"| {v} | allocated / kept bytes (padded heads) | "
+            lines.append(f"| {v} | allocated / kept bytes | "
                          + " | ".join("n/a" if x is None else f"x{x:.2f}" for x in ratios) + " |")
+    started = sorted({v for e in res["budgets"] for v in e.get("q8_vs_start", {})})
+    if started:
+        lines += ["", f"Q8{where}, each learned route minus its untrained start (`<route>_start`, the same "
+                  "warm start hardened without training; paired, x100):", ""]
+        lines.append("| route | " + " | ".join(str(e["budget"]) for e in res["budgets"]) + " |")
+        lines.append("|---|" + "---|" * len(res["budgets"]))
+        for v in started:
+            lines.append(f"| {v} | " + " | ".join(_ci(e.get("q8_vs_start", {}).get(v)) for e in res["budgets"]) + " |")
     return lines
 
 
@@ -950,14 +959,9 @@ def to_markdown(result: dict[str, Any], main: str) -> str:
                 lines.append(f"| {e['budget']} | spread | {100 * sd['min']:.1f}-{100 * sd['max']:.1f} "
                              f"(sd {100 * sd['sd']:.1f}) | |")
         lines += _control_lines(res, main)
-        started = sorted({v for e in res["budgets"] for v in e.get("q8_vs_start", {})})
-        if started:
-            lines += ["", "Q8, each learned route minus its untrained start (`<route>_start`, the same "
-                      "warm start hardened without training; paired, x100):", ""]
-            lines.append("| route | " + " | ".join(str(e["budget"]) for e in res["budgets"]) + " |")
-            lines.append("|---|" + "---|" * len(res["budgets"]))
-            for v in started:
-                lines.append(f"| {v} | " + " | ".join(_ci(e.get("q8_vs_start", {}).get(v)) for e in res["budgets"]) + " |")
+        for key, part in res.get("families", {}).items():
+            name = {"in": "in-family", "out": "out-of-family"}[key]
+            lines += _control_lines(part, main, f" {name} ({part['n_eval_samples']} samples)")
         lines.append("")
     if "q4_placement" in result:
         p = result["q4_placement"]
