@@ -215,6 +215,20 @@ def test_study_end_to_end_then_nothing_to_redo(tiny_dir, tmp_path, monkeypatch, 
     assert trained["budgets"] == [0.25, 40, 0.5]
 
     # Again: every stage is found finished; no prefill, no training step.
+    # A variant the study trained on 2 ranks, retrained alone in one process from the config
+    # the study wrote for it: the same losses, validation and route (issue 20's cold_start
+    # question: a study's variant is reproduced by its own train/<variant>/config.yaml).
+    alone = tmp_path / "alone"
+    assert main(["train", "--config", str(out / "train" / "learned" / "config.yaml"), f"output={alone}"]) == 0
+    history = [{k: v for k, v in r.items() if k != "seconds"} for r in read_jsonl(alone / "history.jsonl")]
+    studied = [{k: v for k, v in r.items() if k != "seconds"} for r in read_jsonl(out / "train" / "learned" / "history.jsonl")]
+    assert [r.keys() for r in history] == [r.keys() for r in studied]
+    for a, b in zip(history, studied):  # numbers to float rounding (another reduction order), the rest exactly
+        for k in a:
+            assert a[k] == (pytest.approx(b[k], rel=1e-4) if isinstance(b[k], float) else b[k]), (k, a, b)
+    assert json.loads((alone / "route.json").read_text())["layers"] == json.loads(
+        (out / "train" / "learned" / "route.json").read_text())["layers"]
+
     from learnroute.engine import Engine
     from learnroute.gates import train as T
 
@@ -362,6 +376,20 @@ def test_study_under_torchrun_shards_and_resumes(tiny_dir, tmp_path, monkeypatch
     want = {(r["sample_id"], r["route"]): r["prediction"] for r in read_jsonl(ref / "results.jsonl")}
     got = {(r["sample_id"], r["route"]): r["prediction"] for r in rows if (r["sample_id"], r["route"]) in want}
     assert got == want and len(want) == 4 * 3
+
+    # A variant the study trained on 2 ranks, retrained alone in one process from the config
+    # the study wrote for it: the same losses, validation and route (issue 20's cold_start
+    # question: a study's variant is reproduced by its own train/<variant>/config.yaml).
+    alone = tmp_path / "alone"
+    assert main(["train", "--config", str(out / "train" / "learned" / "config.yaml"), f"output={alone}"]) == 0
+    history = [{k: v for k, v in r.items() if k != "seconds"} for r in read_jsonl(alone / "history.jsonl")]
+    studied = [{k: v for k, v in r.items() if k != "seconds"} for r in read_jsonl(out / "train" / "learned" / "history.jsonl")]
+    assert [r.keys() for r in history] == [r.keys() for r in studied]
+    for a, b in zip(history, studied):  # numbers to float rounding (another reduction order), the rest exactly
+        for k in a:
+            assert a[k] == (pytest.approx(b[k], rel=1e-4) if isinstance(b[k], float) else b[k]), (k, a, b)
+    assert json.loads((alone / "route.json").read_text())["layers"] == json.loads(
+        (out / "train" / "learned" / "route.json").read_text())["layers"]
 
     from learnroute.engine import Engine
     from learnroute.gates import train as T
