@@ -151,8 +151,6 @@ class _PreallocatedLayer(DynamicLayer):
 
 
 class _SplitHeadsLayer(DynamicLayer):
-    split_heads = True
-
     """A layer whose KV heads keep different numbers of tokens, each head in a buffer of its
     own length: what a per-head route keeps, with no padding between its heads.
 
@@ -169,6 +167,8 @@ class _SplitHeadsLayer(DynamicLayer):
     head) are padding between rows of a batch, masked like a padded layer's; later tokens
     go after ``pad_ends[h]`` in every row.
     """
+
+    split_heads = True  # route-aware attention's cue to attend per KV head
 
     def __init__(
         self, key_buffers: list[torch.Tensor], value_buffers: list[torch.Tensor], lengths: list[int],
@@ -288,15 +288,14 @@ def cache_from_buffers(
     valid = valid or [None] * len(buffers)
     for layer_idx, ((kb, vb), n, ok) in enumerate(zip(buffers, lengths, valid)):
         split = isinstance(kb, (list, tuple))
-        if type(cache.layers[layer_idx]) is not DynamicLayer:
-            if ok is not None or split:
-                raise ValueError(f"layer {layer_idx} keeps a sliding window: its rows cannot be padded")
+        windowed = type(cache.layers[layer_idx]) is not DynamicLayer
+        if windowed and (ok is not None or split):
+            raise ValueError(f"layer {layer_idx} keeps a sliding window: its rows cannot be padded")
         if split:
             if ok is None or ok.dim() != 2:
                 raise ValueError(f"layer {layer_idx}: split heads need valid counts per (row, KV head)")
             cache.layers[layer_idx] = _SplitHeadsLayer(kb, vb, n, ok)
-            continue
-        if type(cache.layers[layer_idx]) is not DynamicLayer:
+        elif windowed:
             # Sliding-window layers keep their own bookkeeping: hand them the tokens instead.
             cache.update(kb[:, :, :n], vb[:, :, :n], layer_idx)
         else:
