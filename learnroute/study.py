@@ -656,12 +656,15 @@ def _answers(config: StudyConfig, rows: list[dict], main: str, budgets: list[Bud
                     "q1": {r: paired(scores[(r, bk)], scores[(best_h, bk)], config.bootstrap) for r in seeded},
                 }
             entry["best_homogeneous_rel_full"] = h / f if f else None
-        # Q9: each per-head learned route minus the main (per-layer) route and the head-level
-        # allocator adakv:<best homogeneous method>
+        # Q9: each per-head learned route minus the main route and the head-level allocator
+        # adakv:<best homogeneous method>. When the main route is itself per-head there is no
+        # per-layer main to beat (vs_main is None for it): Q6 reads the per-layer variants
+        # against it instead
         heads = [route_name(v) for v, d in config.variants.items() if d.get("granularity") == "head"]
         ada = entry.get("adakv_best")
         entry["q9_per_head"] = {
-            r: {"vs_main": paired(scores[(r, bk)], scores[(main, bk)], config.bootstrap) if main in avg else None,
+            r: {"vs_main": paired(scores[(r, bk)], scores[(main, bk)], config.bootstrap)
+                if main in avg and r != main else None,
                 "vs_adakv": paired(scores[(r, bk)], scores[(ada, bk)], config.bootstrap) if ada else None,
                 "allocated_over_kept": _allocated_over_kept(rows, r, bk)}
             for r in heads if (r, bk) in scores
@@ -856,8 +859,10 @@ def _control_lines(res: dict[str, Any], main: str, where: str = "") -> list[str]
                                  f"{_ci(e.get(f'q1_vs_{k}_best'))} |")
     per_head = sorted({v for e in res["budgets"] for v in e.get("q9_per_head", {})})
     if per_head:
-        lines += ["", f"Q9{where}, per-head learning (`granularity: head`): each per-head route minus the main "
-                  f"per-layer route `{main}`, and minus `adakv:<best homogeneous method>` (paired, x100):", ""]
+        versus = (f"the main route `{main}` (n/a for itself: the main route is per-head, and Q6 reads the "
+                  "per-layer variants against it)" if main in per_head else f"the main per-layer route `{main}`")
+        lines += ["", f"Q9{where}, per-head learning (`granularity: head`): each per-head route minus {versus}, "
+                  "and minus `adakv:<best homogeneous method>` (paired, x100):", ""]
         lines.append("| route | versus | " + " | ".join(str(e["budget"]) for e in res["budgets"]) + " |")
         lines.append("|---|---|" + "---|" * len(res["budgets"]))
         for v in per_head:

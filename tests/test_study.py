@@ -132,6 +132,14 @@ def test_study_end_to_end_then_nothing_to_redo(tiny_dir, tmp_path, monkeypatch, 
         assert len(mine) == 4 and want == 1.0 and q9["allocated_over_kept"] == pytest.approx(want)
     assert "Q9, per-head learning" in (out / "study.md").read_text()
     assert "| learned_per_head | allocated / kept bytes | x1.00 |" in (out / "study.md").read_text()
+    # the per-head variant as the main route: Q9 does not compare it with itself, and the
+    # per-layer main becomes a Q6 row against it, paired over the same samples
+    as_main = S.analyze(out, main_variant="per_head")["protocols"]["agnostic"]["budgets"]
+    for b, b0 in zip(as_main, result["protocols"]["agnostic"]["budgets"]):
+        assert b["q9_per_head"]["learned_per_head"]["vs_main"] is None
+        assert b["q9_per_head"]["learned_per_head"]["vs_adakv"]["n"] == 4
+        assert b["q6_variants"]["learned"]["diff"] == pytest.approx(-b0["q9_per_head"]["learned_per_head"]["vs_main"]["diff"])
+    assert "n/a for itself" in (out / "study_per_head.md").read_text()
     start = json.loads((out / "routes" / "learned_budgets_only_start.json").read_text())
     assert start["provenance"]["source"] == "start"
     # the adapter variant's start (the profile's best method, uniform budgets, no adapter) is
