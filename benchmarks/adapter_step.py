@@ -55,7 +55,7 @@ def main() -> None:
     engine = Engine(model, tok)
     sample = load_task("niah_multikey", tok, 1, args.tokens, "calibration", seed=0)[0]
     cfg = SimpleNamespace(lora_rank=args.rank, lora_alpha=2.0 * args.rank, lora_targets=args.targets, seed=0,
-                          adapter_lr=1e-3)
+                          train_seed=None, adapter_lr=1e-3)
     with frozen(model):
         item = prepare_item(engine, "niah_multikey", sample, CANDIDATES, with_ref=False)
         L = engine.n_layers
