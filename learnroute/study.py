@@ -655,6 +655,12 @@ def _answers(config: StudyConfig, rows: list[dict], main: str, budgets: list[Bud
                     "sd": (sum((x - mean(means)) ** 2 for x in means) / (len(means) - 1)) ** 0.5,
                     "q1": {r: paired(scores[(r, bk)], scores[(best_h, bk)], config.bootstrap) for r in seeded},
                 }
+                # every seed against the main's other references too: the seeds share its start
+                # (train_seed changes the optimisation, not the initialisation)
+                for key, ref in (("q2", "profile_alloc"), ("q8", f"{main}{START}")):
+                    if (ref, bk) in scores:
+                        entry["seeds"][key] = {r: paired(scores[(r, bk)], scores[(ref, bk)], config.bootstrap)
+                                               for r in seeded}
             entry["best_homogeneous_rel_full"] = h / f if f else None
         # Q9: each per-head learned route minus the main route and the head-level allocator
         # adakv:<best homogeneous method>. When the main route is itself per-head there is no
@@ -950,22 +956,11 @@ def to_markdown(result: dict[str, Any], main: str) -> str:
                 lines.append(f"| {v} | " + " | ".join(_ci(e.get("q6_variants", {}).get(v)) for e in res["budgets"]) + " |")
         if "families" in res:
             lines += ["", *_family_table(res["families"], main)]
-        if any(e.get("seeds") for e in res["budgets"]):
-            lines += ["", f"Training seeds of `{main}` (the same samples and split; each seed's average, "
-                      "its Q1 against the best homogeneous route, and the spread over seeds), x100:", ""]
-            lines.append("| budget | route | average | Q1 - best homog. |")
-            lines.append("|---|---|---|---|")
-            for e in res["budgets"]:
-                sd = e.get("seeds")
-                if not sd:
-                    continue
-                for r, v in sd["routes"].items():
-                    lines.append(f"| {e['budget']} | {r} | {100 * v:.1f} | {_ci(sd['q1'][r])} |")
-                lines.append(f"| {e['budget']} | spread | {100 * sd['min']:.1f}-{100 * sd['max']:.1f} "
-                             f"(sd {100 * sd['sd']:.1f}) | |")
+        lines += _seed_lines(res, main)
         lines += _control_lines(res, main)
         for key, part in res.get("families", {}).items():
             name = {"in": "in-family", "out": "out-of-family"}[key]
+            lines += _seed_lines(part, main, f" {name} ({part['n_eval_samples']} samples)")
             lines += _control_lines(part, main, f" {name} ({part['n_eval_samples']} samples)")
         lines.append("")
     if "q4_placement" in result:
@@ -978,6 +973,27 @@ def to_markdown(result: dict[str, Any], main: str) -> str:
             "",
         ]
     return "\n".join(lines)
+
+
+def _seed_lines(res: dict[str, Any], main: str, where: str = "") -> list[str]:
+    """The main variant's training seeds (markdown lines): each seed's average and its
+    questions 1, 2 and 8, and the spread over seeds; none for a study without seeds."""
+    if not any(e.get("seeds") for e in res["budgets"]):
+        return []
+    lines = ["", f"Training seeds of `{main}`{where} (the same samples and split; each seed's average, its "
+             "paired differences, and the spread over seeds), x100:", "",
+             "| budget | route | average | Q1 - best homog. | Q2 - profile_alloc | Q8 - its start |",
+             "|---|---|---|---|---|---|"]
+    for e in res["budgets"]:
+        sd = e.get("seeds")
+        if not sd:
+            continue
+        for r, v in sd["routes"].items():
+            lines.append(f"| {e['budget']} | {r} | {100 * v:.1f} | {_ci(sd['q1'][r])} | "
+                         f"{_ci(sd.get('q2', {}).get(r))} | {_ci(sd.get('q8', {}).get(r))} |")
+        lines.append(f"| {e['budget']} | spread | {100 * sd['min']:.1f}-{100 * sd['max']:.1f} "
+                     f"(sd {100 * sd['sd']:.1f}) | | | |")
+    return lines
 
 
 def _family_table(families: dict[str, Any], main: str) -> list[str]:

@@ -529,3 +529,29 @@ def test_routes_are_told_apart_by_what_they_are_not_by_their_suffix():
     assert e["q6_variants"]["learned_cold_start"]["diff"] == pytest.approx(0.25)  # (1+1+0+0)/4 - (1+0+0+0)/4
     assert set(e["q8_vs_start"]) == {"learned_warm"} and e["q8_vs_start"]["learned_warm"]["diff"] == pytest.approx(0.75)
     assert set(e["seeds"]["routes"]) == {"learned", "learned_seed1"}
+
+
+def test_every_training_seed_is_answered_against_the_main_routes_start_and_the_profile_route():
+    """The spread over seeds is read beside each seed's own paired differences: a seed of a
+    warm-started main shares its start (train_seed changes the optimisation only), so Q8
+    pairs every seed with that one start, and Q2 with the profile-allocated route.
+    Hand-computed on four all-or-nothing samples; study.md prints them per family split."""
+    config = load_config(S.StudyConfig, overrides=[
+        "variants={warm: {init_method: snapkv}}", "main_variant=warm", "seeds=[1, 2]", "budgets=[0.1]"])
+    scores = {"full": [1, 1, 1, 1], "homogeneous:snapkv": [0, 0, 0, 1], "profile_alloc": [1, 0, 0, 0],
+              "learned_warm": [1, 1, 1, 0], "learned_warm_start": [0, 0, 0, 1],
+              "learned_warm_seed1": [1, 1, 0, 0], "learned_warm_seed2": [0, 0, 0, 0]}
+    rows = [{"sample_id": f"s{i}", "task": "niah_single_1", "route": route, "budget": None if route == "full" else 0.1,
+             "score": float(x)} for route, xs in scores.items() for i, x in enumerate(xs)]
+    sd = S._answers(config, rows, "learned_warm", [0.1])["budgets"][0]["seeds"]
+    assert set(sd["q8"]) == set(sd["q2"]) == {"learned_warm", "learned_warm_seed1", "learned_warm_seed2"}
+    assert sd["q8"]["learned_warm"]["diff"] == pytest.approx(0.75 - 0.25)
+    assert sd["q8"]["learned_warm_seed1"]["diff"] == pytest.approx(0.5 - 0.25)
+    assert sd["q8"]["learned_warm_seed2"]["diff"] == pytest.approx(0.0 - 0.25)
+    assert sd["q2"]["learned_warm_seed1"]["diff"] == pytest.approx(0.5 - 0.25)
+    assert (sd["min"], sd["max"]) == (0.0, 0.75)
+    res = {"budgets": [{"budget": 0.1, "seeds": sd}]}
+    table = "\n".join(S._seed_lines(res, "learned_warm", " in-family (4 samples)"))
+    assert "Training seeds of `learned_warm` in-family (4 samples)" in table
+    assert "| 0.1 | learned_warm_seed1 | 50.0 | +25.0 [" in table  # Q1 vs homogeneous:snapkv (0.25)
+    assert S._seed_lines({"budgets": [{"budget": 0.1}]}, "learned_warm") == []
