@@ -100,6 +100,8 @@ def report(argv: list[str]) -> int:
     )
     parser.add_argument("--against", nargs="+", metavar="ROUTE", help="with --paired: only these routes")
     parser.add_argument("--bootstrap", type=int, default=2000, help="with --paired: bootstrap resamples")
+    parser.add_argument("--tasks", nargs="+", metavar="TASK",
+                        help="with --paired: only these tasks' samples (a family split, say)")
     parser.add_argument(
         "--main", metavar="VARIANT",
         help="a study folder: answer every question of this variant instead of the config's main_variant, "
@@ -107,15 +109,15 @@ def report(argv: list[str]) -> int:
     )
     args = parser.parse_args(argv)
     folder = Path(args.folder)
-    if args.against and not args.paired:
-        parser.error("--against needs --paired ROUTE")
+    if (args.against or args.tasks) and not args.paired:
+        parser.error("--against and --tasks need --paired ROUTE")
     if args.paired:
         from learnroute.report import paired_table
 
         if args.bootstrap < 100:
             parser.error(f"--bootstrap must be >= 100, got {args.bootstrap}")
         try:
-            print(paired_table(folder, args.paired, args.against, args.bootstrap, args.rescore), end="")
+            print(paired_table(folder, args.paired, args.against, args.bootstrap, args.rescore, args.tasks), end="")
         except (FileNotFoundError, ValueError) as e:
             parser.exit(2, f"learnroute report: error: {e}\n")
         return 0

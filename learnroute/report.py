@@ -34,12 +34,20 @@ def paired_table(
     against: list[str] | None = None,
     n_boot: int = 2000,
     rescore: bool = False,
+    tasks: list[str] | None = None,
 ) -> str:
     """``route`` minus each route of ``against`` (default: every other route) per budget,
     paired over the same samples of the tasks the full cache solves, with a bootstrap 95 %
     interval (markdown). All-or-nothing samples make one sample worth 100 / n points:
-    differences whose interval holds 0 are ties."""
+    differences whose interval holds 0 are ties. ``tasks``: only these tasks' samples (a
+    family split, say the out-of-family tasks alone)."""
     rows = load_rows(Path(folder), rescore=rescore)
+    if tasks:
+        unknown = sorted(set(tasks) - {r["task"] for r in rows})
+        if unknown:
+            raise ValueError(f"no samples of {', '.join(unknown)} in this folder; tasks: "
+                             f"{', '.join(sorted({r['task'] for r in rows}))}")
+        rows = [r for r in rows if r["task"] in tasks]
     main = find_route(rows, route)
     others = [find_route(rows, a) for a in against] if against else sorted({r["route"] for r in rows} - {main, "full"})
     _, valid = solved_tasks(rows)

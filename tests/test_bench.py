@@ -351,6 +351,18 @@ def test_report_paired_differences_by_hand(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["report", str(tmp_path), "--paired", "nope"])
     assert "no route called 'nope'" in capsys.readouterr().err
+    # --tasks: one family split's samples only. Task a alone gives the rows above; task b
+    # alone pairs its two samples (no task of the split reaches the full-cache floor, and then,
+    # as everywhere, every task counts): mine 1, 1 against B 0, 0
+    assert main(["report", str(tmp_path), "--paired", "mine", "--tasks", "a", "--bootstrap", "500"]) == 0
+    assert "| 0.1 | B | 3 | 0.0 | 66.7 | +66.7 [+0.0, +100.0] | tie |" in capsys.readouterr().out
+    assert main(["report", str(tmp_path), "--paired", "mine", "--tasks", "b", "--bootstrap", "500"]) == 0
+    assert "| 0.1 | B | 2 | 0.0 | 100.0 | +100.0 [+100.0, +100.0] | win |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["report", str(tmp_path), "--paired", "mine", "--tasks", "a", "zz"])
+    assert "no samples of zz in this folder; tasks: a, b" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["report", str(tmp_path), "--tasks", "a"])
 
 
 def test_stop_at_final_score_shortens_answers_and_resumes_any_setting(run, tiny_dir, tmp_path, monkeypatch):
