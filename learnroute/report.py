@@ -43,10 +43,10 @@ def paired_table(
     family split, say the out-of-family tasks alone)."""
     rows = load_rows(Path(folder), rescore=rescore)
     if tasks:
-        unknown = sorted(set(tasks) - {r["task"] for r in rows})
+        present = {r["task"] for r in rows}
+        unknown = sorted(set(tasks) - present)
         if unknown:
-            raise ValueError(f"no samples of {', '.join(unknown)} in this folder; tasks: "
-                             f"{', '.join(sorted({r['task'] for r in rows}))}")
+            raise ValueError(f"no samples of {', '.join(unknown)} in this folder; tasks: {', '.join(sorted(present))}")
         rows = [r for r in rows if r["task"] in tasks]
     main = find_route(rows, route)
     others = [find_route(rows, a) for a in against] if against else sorted({r["route"] for r in rows} - {main, "full"})

@@ -653,11 +653,10 @@ def _answers(config: StudyConfig, rows: list[dict], main: str, budgets: list[Bud
                     "routes": {r: avg[r] for r in seeded},
                     "min": min(means), "max": max(means),
                     "sd": (sum((x - mean(means)) ** 2 for x in means) / (len(means) - 1)) ** 0.5,
-                    "q1": {r: paired(scores[(r, bk)], scores[(best_h, bk)], config.bootstrap) for r in seeded},
                 }
-                # every seed against the main's other references too: the seeds share its start
+                # every seed against the main's references; the seeds share its start
                 # (train_seed changes the optimisation, not the initialisation)
-                for key, ref in (("q2", "profile_alloc"), ("q8", f"{main}{START}")):
+                for key, ref in (("q1", best_h), ("q2", "profile_alloc"), ("q8", f"{main}{START}")):
                     if (ref, bk) in scores:
                         entry["seeds"][key] = {r: paired(scores[(r, bk)], scores[(ref, bk)], config.bootstrap)
                                                for r in seeded}
