@@ -9,7 +9,8 @@ Stages (each a sub-folder of the study folder, each resumable on its own):
 3. ``routes/``: every learned route exported (hardened; mixtures where asked);
 4. ``bench_<protocol>/``: **eval** samples (a disjoint seed stream): the full cache, every
    homogeneous method, pyramid, profile-guided and learned routes at every budget;
-5. ``placement/``: the main learned route among random placements of its methods;
+5. ``placement/``: a route with several methods (a variant's or the profile's) among
+   random placements of its methods;
 6. ``study.json`` / ``study.md``: the answers, with paired bootstrap intervals.
 
 Finished stages are skipped (a train variant with its ``route.json``, a profile with its
@@ -37,6 +38,7 @@ Budget = int | float
 PROTOCOLS = ("agnostic", "aware")
 # Keys of a variant that the study sets itself (one calibration set, one model, one budget list).
 TOKENS = ("@profile", "@profile_alloc", "@profile_best")  # study files a variant may start from
+PROFILE_PLACEMENT = "@profile"  # placement_variant: the profile's per-layer route, not a variant's
 STUDY_OWNED = ("model", "tasks", "context_tokens", "seed", "methods", "output", "query_aware")
 
 
@@ -111,12 +113,13 @@ class StudyConfig:
                           "study's routes as imported_<name>; Q6 answers each minus the main route"},
     )
     per_budget: bool = field(default=False, metadata={"help": "also train the main variant once per budget (each benched at its own budget only)"})
-    placements: int = field(default=20, metadata={"help": "random placements of the main learned route"})
+    placements: int = field(default=20, metadata={"help": "random placements of placement_variant's route"})
     placement_budget: Budget | None = field(default=None, metadata={"help": "its budget (null = the first budget)"})
     placement_variant: str | list[str] | None = field(
         default=None,
         metadata={"help": "the variant whose placement is studied, or a list: the first whose route has two or "
-                          "more methods (a one-method route has no placement); null = main_variant"},
+                          "more methods (a one-method route has no placement); '@profile' is the profile's "
+                          "own per-layer route (profile_<profile_budget>.json); null = main_variant"},
     )
     bootstrap: int = field(default=2000, metadata={"help": "bootstrap resamples for the paired intervals"})
     max_new_tokens: int | None = field(default=None, metadata={"help": "answer cap; null = each task's own"})
@@ -156,8 +159,9 @@ class StudyConfig:
         if self.main_variant not in self.variants:
             problems.append(f"main_variant {self.main_variant!r} is not among the variants {list(self.variants)}")
         for v in self.placement_candidates:
-            if v not in self.variants:
-                problems.append(f"placement_variant {v!r} is not among the variants {list(self.variants)}")
+            if v not in self.variants and v != PROFILE_PLACEMENT:
+                problems.append(f"placement_variant {v!r} is neither among the variants {list(self.variants)} "
+                                f"nor {PROFILE_PLACEMENT!r} (the profile's per-layer route)")
         for v in self.mixture_of:
             if v not in self.variants:
                 problems.append(f"mixture_of: {v!r} is not a variant ({', '.join(self.variants)})")
@@ -267,10 +271,17 @@ class StudyConfig:
         v = self.placement_variant
         return [self.main_variant] if v is None else [v] if isinstance(v, str) else list(v)
 
+    def placement_path(self, routes: Path, candidate: str) -> Path:
+        """A placement candidate's route file: a variant's export in ``routes``, or (for
+        ``@profile``) the profile's per-layer route beside it, at the profiled budget."""
+        if candidate == PROFILE_PLACEMENT:
+            return routes.parent / "profile" / f"profile_{self.profiled_budget}.json"
+        return routes / f"{route_name(candidate)}.json"
+
     def placement_choice(self, routes: Path) -> str | None:
-        """The first candidate whose exported route (in ``routes``) has two or more methods."""
+        """The first candidate whose route (exported in ``routes``) has two or more methods."""
         for v in self.placement_candidates:
-            path = routes / f"{route_name(v)}.json"
+            path = self.placement_path(routes, v)
             if path.is_file() and len(set(Route.from_file(path).methods)) > 1:
                 return v
         return None
@@ -547,7 +558,7 @@ class _Stages:
         from learnroute.placement import PlacementConfig, run_placement
 
         config, out = self.config, self.out
-        self.log("stage 5/5: placement study of the learned route")
+        self.log("stage 5/5: placement study")
         b = config.placement_budget if config.placement_budget is not None else config.budgets[0]
         chosen = config.placement_choice(routes)
         if chosen is None:
@@ -555,7 +566,7 @@ class _Stages:
                      "placement study (question 4 n/a; placement_variant may name other variants)")
             return
         given = out / "placement_route.json"
-        new = Route.from_file(routes / f"{route_name(chosen)}.json").rescaled(b)
+        new = Route.from_file(config.placement_path(routes, chosen)).rescaled(b)
         if self.first and (not given.is_file() or Route.from_file(given).to_dict() != new.to_dict()):
             new.to_file(given)
         self.state.wait_for_everyone()
@@ -762,7 +773,9 @@ def analyze(folder: str | Path, rescore: bool = False, main_variant: str | None 
     if placement.is_file():
         p = json.loads(placement.read_text())
         result["q4_placement"] = {k: p[k] for k in ("rank", "of", "ties", "given_score", "better_than_fraction")}
-        result["q4_placement"]["variant"] = route_name(config.placement_choice(folder / "routes") or "?")
+        chosen = config.placement_choice(folder / "routes")
+        result["q4_placement"]["variant"] = (
+            f"profile_{config.profiled_budget}" if chosen == PROFILE_PLACEMENT else route_name(chosen or "?"))
     atomic_write(folder / f"{stem}.json", json.dumps(result, indent=1) + "\n")
     atomic_write(folder / f"{stem}.md", to_markdown(result, main))
     if stem != "study":  # the study's own figures stay its main's
@@ -967,7 +980,7 @@ def to_markdown(result: dict[str, Any], main: str) -> str:
         lines += [
             "## Q4: placement",
             "",
-            f"The learned route `{p.get('variant', main)}` ranks **{p['rank']} of {p['of']}** among random placements of its methods "
+            f"The route `{p.get('variant', main)}` ranks **{p['rank']} of {p['of']}** among random placements of its methods "
             f"({p['ties']} tie with it; better than {100 * p['better_than_fraction']:.0f} %).",
             "",
         ]

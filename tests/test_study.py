@@ -312,14 +312,23 @@ def test_imported_routes_must_be_route_files_with_plain_names(tmp_path):
 def test_placement_goes_to_the_first_listed_variant_with_two_methods(tmp_path):
     from learnroute import Route
 
-    Route.homogeneous("snapkv", 4, 0.2).to_file(tmp_path / "learned_one.json")
-    Route.from_layers(["snapkv", "tova", "tova", "knorm"], 0.2).to_file(tmp_path / "learned_mixed.json")
+    routes, profile = tmp_path / "routes", tmp_path / "profile"
+    routes.mkdir(), profile.mkdir()
+    Route.homogeneous("snapkv", 4, 0.2).to_file(routes / "learned_one.json")
+    Route.from_layers(["snapkv", "tova", "tova", "knorm"], 0.2).to_file(routes / "learned_mixed.json")
     variants = {"learned": {}, "one": {}, "mixed": {}}
     cfg = S.StudyConfig(variants=variants, placement_variant=["one", "mixed"])
-    assert cfg.placement_choice(tmp_path) == "mixed"
-    assert S.StudyConfig(variants=variants, placement_variant="one").placement_choice(tmp_path) is None
+    assert cfg.placement_choice(routes) == "mixed"
+    assert S.StudyConfig(variants=variants, placement_variant="one").placement_choice(routes) is None
     assert S.StudyConfig(variants=variants).placement_candidates == ["learned"]
-    with pytest.raises(ConfigError, match="placement_variant 'nope'"):
+    # '@profile': the profile's per-layer route at the profiled budget, when it mixes methods
+    by_profile = S.StudyConfig(variants=variants, placement_variant=["one", "@profile"], profile_budget=0.1)
+    assert by_profile.placement_choice(routes) is None  # no profile yet
+    Route.from_layers(["knorm", "knorm", "tova", "knorm"], 0.1).to_file(profile / "profile_0.1.json")
+    Route.from_layers(["tova"] * 4, 0.2).to_file(profile / "profile_0.2.json")  # another budget's: not this one
+    assert by_profile.placement_choice(routes) == "@profile"
+    assert by_profile.placement_path(routes, "@profile") == profile / "profile_0.1.json"
+    with pytest.raises(ConfigError, match="placement_variant 'nope' is neither among the variants"):
         load_config(S.StudyConfig, overrides=["placement_variant=[one, nope]", "variants={learned: {}, one: {}}"])
 
 
@@ -338,6 +347,7 @@ def test_study_under_torchrun_shards_and_resumes(tiny_dir, tmp_path, monkeypatch
     cfg.update(
         budgets=[0.25], aware_budgets=None, protocols=["agnostic"], per_budget=False, mixture_of=[], eval_seed=0,
         variants={"learned": {}, "warm": {"init_route": "@profile_alloc", "lr": 0.01}},
+        placement_variant="@profile",  # the profile's per-layer route, as the default study studies
     )
     path = tmp_path / "study2.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -356,10 +366,13 @@ def test_study_under_torchrun_shards_and_resumes(tiny_dir, tmp_path, monkeypatch
     profiled = [c["sample_id"] for c in read_jsonl(out / "profile" / "cells.jsonl")]
     assert len(profiled) == len(set(profiled)) == 4  # the profile ran once, not on both ranks
     assert (out / "study.md").is_file() and (out / "routes" / "learned_warm.json").is_file()
-    # the warm route has two methods (see the end-to-end test): placement ran, sharded too
+    # the profile's route has two methods (see the end-to-end test): placement ran on it, sharded too
     placed = read_jsonl(out / "placement" / "results.jsonl")
     assert {r["rank"] for r in placed} == {0, 1} and (out / "placement" / "placement.json").is_file()
-    assert "q4_placement" in json.loads((out / "study.json").read_text())
+    profile_route = json.loads((out / "profile" / "profile_0.25.json").read_text())["layers"]
+    given = json.loads((out / "placement_route.json").read_text())["layers"]
+    assert [x["method"] for x in given] == [x["method"] for x in profile_route]
+    assert json.loads((out / "study.json").read_text())["q4_placement"]["variant"] == "profile_0.25"
 
     # The fixed routes answer as in a one-process bench of the same samples.
     ref = tmp_path / "ref"
