@@ -21,9 +21,14 @@ $(STAMP): pyproject.toml Makefile
 install: $(STAMP)
 
 # The default study end to end (profile, train, export, bench, placement; resumable),
-# then its answers to questions 1-5 as a table.
+# then its answers to questions 1-5 as a table. Its samples are sharded over RANKS
+# processes of THREADS threads each (torchrun): on 2 cores, two one-thread processes step
+# about 1.4x faster than one two-thread process (benchmarks/adapter_step.py --threads 1
+# vs 2). One process where CUDA is available (one GPU); `make run RANKS=1` forces it.
+RANKS ?= $(shell $(BIN)/python -c 'import torch; print(1 if torch.cuda.is_available() else 2)' 2>/dev/null || echo 2)
+THREADS ?= $(shell n=$$(( $$(nproc) / $(RANKS) )); echo $$(( n > 0 ? n : 1 )))
 run: $(STAMP)
-	$(BIN)/learnroute study --config configs/study/default.yaml
+	OMP_NUM_THREADS=$(THREADS) $(BIN)/torchrun --standalone --nproc_per_node $(RANKS) -m learnroute.cli study --config configs/study/default.yaml
 
 demo: $(STAMP)
 	$(BIN)/learnroute demo

@@ -517,38 +517,52 @@ def aggregate(config: ProfileConfig, model: str, n_layers: int, cells: list[dict
 
 
 def run_profile(config: ProfileConfig, overwrite: bool = False, progress: bool = True) -> Path:
-    """Profile every (layer, method, budget) on the calibration samples; resumable."""
+    """Profile every (layer, method, budget) on the calibration samples; resumable.
+
+    Under torchrun / accelerate launch the samples are sharded across ranks (each appends
+    its rows to ``cells.jsonl``); rank 0 aggregates once every rank is done. One sample's
+    cells run in one process, so a sharded profile holds the same rows as a serial one.
+    """
     from tqdm import tqdm
 
     from learnroute import _hf
-    from learnroute.runs import atomic_write, append_jsonl, prepare_folder, read_jsonl, resolve_device
+    from learnroute.runs import atomic_write, append_jsonl, prepare_folder, process_state, read_jsonl, resolve_device
     from learnroute.engine import Engine
     from learnroute.models import load_model, model_name
 
     device = resolve_device(config.device)  # cuda without CUDA is refused before anything is written
-    out = prepare_folder(config, overwrite, is_main=True)
+    state = process_state()
+    rank, world = state.process_index, state.num_processes
+    out = prepare_folder(config, overwrite, is_main=state.is_main_process)
+    state.wait_for_everyone()
     model, tokenizer = load_model(config.model)
-    model.to(device)
+    model.to(state.device if device == "cuda" else device)  # this rank's GPU
     name = model_name(model)
     n_layers = len(_hf.attention_modules(model))
     samples = [s for _, s in load_tasks(config.tasks, tokenizer, config.context_tokens, "calibration", config.seed)]
     if any(s.split != "calibration" for s in samples):  # a programming error, never user input
         raise RuntimeError("profiles must use calibration samples only")
-    existing = {r["id"] for r in read_jsonl(out / "samples.jsonl")}
-    append_jsonl(out / "samples.jsonl", [s.to_dict() for s in samples if s.id not in existing])
-    done = {c["sample_id"]: c for c in read_jsonl(out / "cells.jsonl")}
+    if state.is_main_process:
+        existing = {r["id"] for r in read_jsonl(out / "samples.jsonl")}
+        append_jsonl(out / "samples.jsonl", [s.to_dict() for s in samples if s.id not in existing])
+    done = {c["sample_id"] for c in read_jsonl(out / "cells.jsonl")}
     engine = Engine(model, tokenizer, query_aware=config.query_aware)
-    for s in tqdm(samples, desc="profile", unit="sample", disable=not progress):
+    mine = samples[rank::world]
+    desc = f"profile[{rank}]" if world > 1 else "profile"
+    for s in tqdm(mine, desc=desc, unit="sample", disable=not progress or not state.is_main_process):
         if s.id in done:
             continue
         row = {"sample_id": s.id, **sample_damage(engine, s, config.budgets, config.methods, config.granularity)}
-        append_jsonl(out / "cells.jsonl", [row])
-        done[s.id] = row
-    profile = aggregate(config, name, n_layers, [done[s.id] for s in samples])
-    atomic_write(out / "profile.json", json.dumps(profile, indent=1) + "\n")
-    heatmap(profile, out / "heatmap.png")
-    for stem, route in build_routes(profile, model=name, n_layers=n_layers, methods=config.methods).items():
-        route.to_file(out / f"{stem}.json")
+        append_jsonl(out / "cells.jsonl", [{**row, "rank": rank}])
+    state.wait_for_everyone()  # every shard's rows are in cells.jsonl
+    if state.is_main_process:
+        rows = {c["sample_id"]: c for c in read_jsonl(out / "cells.jsonl")}
+        profile = aggregate(config, name, n_layers, [rows[s.id] for s in samples])
+        atomic_write(out / "profile.json", json.dumps(profile, indent=1) + "\n")
+        heatmap(profile, out / "heatmap.png")
+        for stem, route in build_routes(profile, model=name, n_layers=n_layers, methods=config.methods).items():
+            route.to_file(out / f"{stem}.json")
+    state.wait_for_everyone()  # the profile's files exist for every rank
     return out
 
 

@@ -83,8 +83,8 @@ def process_state():
     """accelerate's process state: this process's rank among those torchrun or accelerate
     launched (one process: rank 0 of 1).
 
-    Ranks meet at barriers between stages; one rank's long stage (the study's profile runs
-    on rank 0 alone; unbalanced bench shards) can keep the others waiting far longer than
+    Ranks meet at barriers between stages; one rank's long stage (unbalanced profile or
+    bench shards, a rank-0-only stage) can keep the others waiting far longer than
     torch's default 30-minute process-group timeout, hence 24 hours.
     """
     from datetime import timedelta

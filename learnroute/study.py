@@ -363,8 +363,8 @@ def route_name(variant: str) -> str:
 def run_study(config: StudyConfig, overwrite: bool = False) -> Path:
     """Run (or resume) every stage; returns the study folder with study.md.
 
-    Under torchrun / accelerate launch: training, bench and placement shard their samples
-    across ranks; the profile, the exports and the analysis run on rank 0 while the others
+    Under torchrun / accelerate launch: the profile, training, bench and placement shard
+    their samples across ranks; the exports and the analysis run on rank 0 while the others
     wait. Every rank decides what is left from the same files, after a barrier.
     """
     from learnroute.runs import prepare_folder, process_state
@@ -405,11 +405,14 @@ class _Stages:
             _say(msg)
 
     def profile(self) -> None:
-        """1. Per-layer damage on calibration samples (rank 0; skipped once profile.json exists)."""
+        """1. Per-layer damage on calibration samples (samples sharded across ranks;
+        skipped once profile.json exists)."""
         from learnroute.profile import ProfileConfig, run_profile
 
         config, out = self.config, self.out
-        if not (out / "profile" / "profile.json").is_file() and self.first:
+        # Every rank decides from the same file: rank 0 writes profile.json only after
+        # every rank has entered run_profile and finished its shard.
+        if not (out / "profile" / "profile.json").is_file():
             self.log("stage 1/5: profile on calibration samples")
             run_profile(
                 ProfileConfig(
@@ -421,7 +424,8 @@ class _Stages:
                     seed=config.calibration_seed,
                     device=config.device,
                     output=str(out / "profile"),
-                )
+                ),
+                progress=self.first,
             )
         self.state.wait_for_everyone()
 

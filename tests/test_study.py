@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 import yaml
 
 from learnroute import study as S
@@ -333,7 +334,7 @@ def test_placement_goes_to_the_first_listed_variant_with_two_methods(tmp_path):
 
 
 def test_study_under_torchrun_shards_and_resumes(tiny_dir, tmp_path, monkeypatch):
-    """torchrun with 2 CPU processes: the profile and exports once (rank 0), the bench and
+    """torchrun with 2 CPU processes: the exports once (rank 0), the profile, bench and
     placement samples split across ranks into one folder each; the answers are those of a
     one-process bench, and a one-process rerun finds nothing left to do."""
     import os
@@ -363,8 +364,10 @@ def test_study_under_torchrun_shards_and_resumes(tiny_dir, tmp_path, monkeypatch
     keys = [(r["sample_id"], r["route"], json.dumps(r["budget"])) for r in rows]
     assert len(keys) == len(set(keys)) == 4 * len({k[1:] for k in keys})  # every cell once, on 4 samples
     assert {r["rank"] for r in rows} == {0, 1}
-    profiled = [c["sample_id"] for c in read_jsonl(out / "profile" / "cells.jsonl")]
-    assert len(profiled) == len(set(profiled)) == 4  # the profile ran once, not on both ranks
+    cells = read_jsonl(out / "profile" / "cells.jsonl")
+    profiled = [c["sample_id"] for c in cells]
+    assert len(profiled) == len(set(profiled)) == 4  # each sample profiled once, its shard's rank
+    assert {c["rank"] for c in cells} == {0, 1}
     assert (out / "study.md").is_file() and (out / "routes" / "learned_warm.json").is_file()
     # the profile's route has two methods (see the end-to-end test): placement ran on it, sharded too
     placed = read_jsonl(out / "placement" / "results.jsonl")
@@ -383,6 +386,18 @@ def test_study_under_torchrun_shards_and_resumes(tiny_dir, tmp_path, monkeypatch
     want = {(r["sample_id"], r["route"]): r["prediction"] for r in read_jsonl(ref / "results.jsonl")}
     got = {(r["sample_id"], r["route"]): r["prediction"] for r in rows if (r["sample_id"], r["route"]) in want}
     assert got == want and len(want) == 4 * 3
+
+    # The profile sharded over 2 ranks, rerun in one process from the config the study wrote
+    # for it: the same damage to float rounding, the same per-layer routes.
+    serial = tmp_path / "serial_profile"
+    assert main(["profile", "--config", str(out / "profile" / "config.yaml"), f"output={serial}"]) == 0
+    sharded, alone_profile = (json.loads((d / "profile.json").read_text()) for d in (out / "profile", serial))
+    assert sharded["sample_ids"] == alone_profile["sample_ids"]
+    for kind, by_budget in alone_profile["damage"].items():
+        for b, matrix in by_budget.items():
+            torch.testing.assert_close(torch.tensor(sharded["damage"][kind][b]), torch.tensor(matrix),
+                                       rtol=1e-5, atol=1e-7, msg=f"{kind} at {b}")
+    assert (out / "profile" / "profile_0.25.json").read_text() == (serial / "profile_0.25.json").read_text()
 
     # A variant the study trained on 2 ranks, retrained alone in one process from the config
     # the study wrote for it: the same losses, validation and route (issue 20's cold_start
