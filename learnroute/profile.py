@@ -536,7 +536,9 @@ def run_profile(config: ProfileConfig, overwrite: bool = False, progress: bool =
     out = prepare_folder(config, overwrite, is_main=state.is_main_process)
     state.wait_for_everyone()
     model, tokenizer = load_model(config.model)
-    model.to(state.device if device == "cuda" else device)  # this rank's GPU
+    # Under torchrun each rank's own GPU; one process: the resolved device (accelerate's
+    # state is a per-process singleton and may predate this call's device choice).
+    model.to(state.device if device == "cuda" and world > 1 else device)
     name = model_name(model)
     n_layers = len(_hf.attention_modules(model))
     samples = [s for _, s in load_tasks(config.tasks, tokenizer, config.context_tokens, "calibration", config.seed)]
