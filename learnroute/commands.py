@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -44,7 +45,8 @@ def _run_config_command(
         out = runner(config, overwrite=args.overwrite)
     except USER_ERRORS + user_errors as e:
         parser.exit(2, f"learnroute {verb}: error: {e}\n")
-    print(done(out), file=sys.stderr)
+    if os.environ.get("RANK", "0") == "0":  # under torchrun / accelerate launch: said once, by rank 0
+        print(done(out), file=sys.stderr)
     return 0
 
 
