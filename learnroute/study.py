@@ -274,8 +274,8 @@ class StudyConfig:
     def placement_path(self, routes: Path, candidate: str) -> Path:
         """A placement candidate's route file: a variant's export in ``routes``, or (for
         ``@profile``) the profile's per-layer route beside it, at the profiled budget."""
-        if candidate == PROFILE_PLACEMENT:
-            return routes.parent / "profile" / f"profile_{self.profiled_budget}.json"
+        if candidate == PROFILE_PLACEMENT:  # the study token's own file, at the profiled budget
+            return Path(self._resolve_token(routes.parent, PROFILE_PLACEMENT, []))
         return routes / f"{route_name(candidate)}.json"
 
     def placement_choice(self, routes: Path) -> str | None:
@@ -777,9 +777,8 @@ def analyze(folder: str | Path, rescore: bool = False, main_variant: str | None 
     if placement.is_file():
         p = json.loads(placement.read_text())
         result["q4_placement"] = {k: p[k] for k in ("rank", "of", "ties", "given_score", "better_than_fraction")}
-        chosen = config.placement_choice(folder / "routes")
-        result["q4_placement"]["variant"] = (
-            f"profile_{config.profiled_budget}" if chosen == PROFILE_PLACEMENT else route_name(chosen or "?"))
+        chosen = config.placement_choice(folder / "routes")  # its route file's stem names it
+        result["q4_placement"]["variant"] = config.placement_path(folder / "routes", chosen or "?").stem
     atomic_write(folder / f"{stem}.json", json.dumps(result, indent=1) + "\n")
     atomic_write(folder / f"{stem}.md", to_markdown(result, main))
     if stem != "study":  # the study's own figures stay its main's
