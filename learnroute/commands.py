@@ -176,7 +176,7 @@ def train(argv: list[str]) -> int:
 
 def export(argv: list[str]) -> int:
     """Write the route of a trained gates run (or one of its checkpoints) as a route file."""
-    from learnroute.gates.export import export_cli
+    from learnroute.gates.export import export_cli, export_start
 
     parser = argparse.ArgumentParser(prog="learnroute export", description=export.__doc__)
     parser.add_argument("source", help="train run folder, or a gates checkpoint (.safetensors) inside one")
@@ -186,10 +186,18 @@ def export(argv: list[str]) -> int:
     parser.add_argument("--mixture", action="store_true", help="keep π as per-layer mixture weights")
     parser.add_argument("--temperature", type=float, help="π temperature of a mixture (default: the final one)")
     parser.add_argument("--model", help="refuse the checkpoint unless it was trained on this model name")
+    parser.add_argument("--start", action="store_true",
+                        help="write the run's untrained start instead (its initial gates, hardened): the "
+                             "control to bench beside the trained route")
     args = parser.parse_args(argv)
+    if args.start and (args.mixture or args.temperature is not None):
+        parser.error("--start writes the hardened untrained start: --mixture and --temperature do not apply")
     try:
-        route = export_cli(args.source, args.out, budget=args.budget, mixture=args.mixture,
-                           temperature=args.temperature, model=args.model)
+        if args.start:
+            route = export_start(args.source, args.out, budget=args.budget, model=args.model)
+        else:
+            route = export_cli(args.source, args.out, budget=args.budget, mixture=args.mixture,
+                               temperature=args.temperature, model=args.model)
     except (ConfigError, RouteError, FileNotFoundError, ValueError) as e:
         parser.exit(2, f"learnroute export: error: {e}\n")
     print(f"wrote {args.out}: {route.describe()}", file=sys.stderr)

@@ -416,6 +416,27 @@ def test_exported_route_runs_in_bench(trained, tiny_dir, tmp_path):
     assert len(rows) == 1 and rows[0]["kv_bytes"] > 0
 
 
+def test_export_start_writes_the_untrained_route_a_warm_run_began_from(tiny_dir, tiny, tokenizer, tmp_path):
+    """`export --start`: the control a learned route is benched beside. From uniform budgets
+    over tova it is homogeneous tova, at the first training budget or the one asked for."""
+    cfg = write_config(tmp_path, tiny_dir, steps=2, learn="budgets", init_method="tova", lr=0.5, eval_every=2)
+    assert train(cfg) == 0
+    assert main(["export", str(tmp_path / "run"), "--start", "--out", str(tmp_path / "start.json")]) == 0
+    assert main(["export", str(tmp_path / "run"), "--start", "--budget", "40", "--out", str(tmp_path / "s40.json")]) == 0
+    start, s40 = Route.from_file(tmp_path / "start.json"), Route.from_file(tmp_path / "s40.json")
+    assert start.provenance["source"] == "start" and s40.budgets == [40] * 4
+    engine = Engine(tiny, tokenizer, max_new_tokens=6)
+    s = make_samples("niah_single_2", tokenizer, 1, 200, "eval")[0]
+    routes = [start, Route.homogeneous("tova", 4, 0.25), s40, Route.homogeneous("tova", 4, 40)]
+    a, b, c, d = engine.run(s.context, s.question, routes, s.answer_prefix, keep_logits=True)
+    for ours, ref in ((a, b), (c, d)):  # the same kept tokens: the same logits, bit for bit
+        assert (ours.token_ids, ours.kept_per_layer) == (ref.token_ids, ref.kept_per_layer)
+        assert torch.equal(ours.first_logits, ref.first_logits)
+    with pytest.raises(SystemExit) as exit_:
+        main(["export", str(tmp_path / "run"), "--start", "--mixture", "--out", str(tmp_path / "x.json")])
+    assert exit_.value.code == 2 and not (tmp_path / "x.json").exists()
+
+
 def test_export_refuses_a_checkpoint_of_another_model_or_method_set(trained, tmp_path):
     with pytest.raises(RouteError, match="trained on model 'tiny-llama\d*', not 'SmolLM2-135M-Instruct'"):
         export_cli(trained, tmp_path / "x.json", model="SmolLM2-135M-Instruct")

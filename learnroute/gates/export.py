@@ -208,16 +208,18 @@ def export_cli(
     return route
 
 
-def export_start(source: str | Path, out: str | Path) -> Route:
+def export_start(source: str | Path, out: str | Path, *, budget: str | None = None, model: str | None = None) -> Route:
     """The untrained start of a train run: its initial gates (:func:`learnroute.gates.start.build_gates`),
-    hardened and exported exactly as its trained route is (at the first training budget, no
-    adapter). Bench it beside the trained route: a gain is credited to learning only over it."""
+    hardened and exported exactly as its trained route is (at ``budget``, default the first
+    training budget; no adapter). Bench it beside the trained route: a gain is credited to
+    learning only over it."""
     ckpt, run, config = load_run(source)
-    tensors, meta = load_gates(ckpt, methods=config.methods)
+    b = config.budgets[0] if budget is None else parse_budget(budget)
+    tensors, meta = load_gates(ckpt, model=model, methods=config.methods)
     n_layers = int(meta["n_layers"])
     gates = build_gates(config, n_layers, [bool(x) for x in tensors["free"].tolist()], gate_heads(meta))
-    route = gates.harden(config.budgets[0], config.context_tokens, model=meta["model"])
-    prov = {**route.provenance, "source": "start", "start_of": str(run), "budget": config.budgets[0],
+    route = gates.harden(b, config.context_tokens, model=meta["model"])
+    prov = {**route.provenance, "source": "start", "start_of": str(run), "budget": b,
             "train_config": to_dict(config)}
     route = Route(route.layers, model=route.model, provenance=prov)
     route.to_file(out)
