@@ -39,7 +39,7 @@ def test_engine_is_token_identical_to_kvpress_pipeline(smol, pipe, samples):
     # Each method on one of the two needle depths (alternating), the full cache on both:
     # every method is still compared on the default model, at half the kvpress prefills
     # (this was the suite's slowest test); the tiny-model tests compare every method's kept
-    # tokens at several budgets (test_press.py).
+    # tokens with kvpress's in every layer (test_press.py).
     for i, s in enumerate(samples):
         n = n_context(engine, s)
         methods = KVPRESS_METHODS[i :: len(samples)]
