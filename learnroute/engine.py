@@ -19,7 +19,7 @@ import contextlib
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -95,6 +95,66 @@ class Prefill:
         """Tokens each layer's cache holds after the prefill: ``n_tokens``, or fewer in
         sliding-window layers whose window is shorter than the context."""
         return [int(cap.keys.shape[2]) for cap in self.layers]
+
+
+# ---------------------------------------------------------------------------- prefills shared across stages
+
+
+@dataclass
+class SharedPrefills:
+    """Prefills kept for reuse inside one :func:`shared_prefills` block, and what it did.
+
+    Entries are keyed by the model (:func:`learnroute._hf.fingerprint`), the engine's
+    ``method_options`` (scores depend on them) and the context's token ids, and hold the
+    captures without their modules (a hit is bound to the asking engine's model), plus the
+    method scores and kept indices computed from them so far (shared: a later stage reuses
+    them too). ``max_bytes`` caps the captures kept (keys, values, attention inputs, RoPE);
+    the scores add about 3 % on top.
+    """
+
+    max_bytes: int
+    entries: dict[tuple, Prefill] = field(default_factory=dict)
+    bytes: int = 0
+    hits: int = 0  # prefills served from the block
+    made: int = 0  # prefills run inside the block
+    not_kept: int = 0  # made but not kept: the cap was reached
+
+    def summary(self) -> str:
+        return (f"prefills reused {self.hits}, made {self.made} ({self.not_kept} not kept: cap), "
+                f"{self.bytes / 2**30:.2f} GiB kept")
+
+
+_SHARED_PREFILLS: SharedPrefills | None = None
+
+
+@contextlib.contextmanager
+def shared_prefills(max_bytes: int):
+    """Inside the block, an :class:`Engine` prefills each context once: a second prefill of
+    the same tokens by the same model returns the first (and every score computed from it),
+    whichever engine, run or stage asks. A study's stages go over the same samples (the
+    profile and training over the calibration set; the bench, its controls and the
+    placement over the eval set), and on CPUs the prefill and the scores are most of a
+    bench cell's cost. Everything kept is released when the outermost block exits.
+    Yields the :class:`SharedPrefills` (its counts); ``max_bytes`` 0 keeps nothing."""
+    global _SHARED_PREFILLS
+    outer = _SHARED_PREFILLS
+    if outer is None:
+        _SHARED_PREFILLS = SharedPrefills(int(max_bytes))
+    try:
+        yield _SHARED_PREFILLS
+    finally:
+        _SHARED_PREFILLS = outer
+
+
+def capture_bytes(layers: list[_hf.LayerCapture]) -> int:
+    """Bytes held by captures (each storage once: the attention inputs share one buffer,
+    the layers one RoPE table)."""
+    storages: dict[int, int] = {}
+    for cap in layers:
+        for t in (cap.hidden_states, cap.keys, cap.values, *cap.position_embeddings):
+            st = t.untyped_storage()
+            storages[st.data_ptr()] = st.nbytes()
+    return sum(storages.values())
 
 
 @dataclass
@@ -281,11 +341,37 @@ class Engine:
     # ------------------------------------------------------------------ prefill and scores
 
     def prefill(self, prompt: Prompt) -> Prefill:
-        """One full-cache forward over the context, capturing every layer."""
+        """One full-cache forward over the context, capturing every layer (inside
+        :func:`shared_prefills`, a context prefilled before is served from there).
+        ``seconds`` is what the prefill took when it was made."""
+        shared = _SHARED_PREFILLS
+        if shared is not None:
+            ids = prompt.context_ids[0].tolist()
+            key = (_hf.fingerprint(self.model), repr(sorted(self.method_options.items())), tuple(ids))
+            if (kept := shared.entries.get(key)) is not None:
+                shared.hits += 1
+                modules = _hf.attention_modules(self.model)
+                # The asking engine's prompt (the question may differ) and its model's modules
+                # (scorers project with them); the scores and indices dicts stay shared.
+                layers = [replace(cap, module=modules[i]) for i, cap in enumerate(kept.layers)]
+                return Prefill(prompt, layers, kept.seconds, kept._scores, kept._indices)
         start = time.perf_counter()
         with _adapter.adapters_off(self.model):  # the cache is the base model's, whatever is attached
             layers = _hf.capture_prefill(self.model, prompt.context_ids.to(self.model.device))
-        return Prefill(prompt, layers, time.perf_counter() - start)
+        made = Prefill(prompt, layers, time.perf_counter() - start)
+        if shared is not None:
+            shared.made += 1
+            size = capture_bytes(layers)
+            # Keep the first ones that fit rather than the most recent: the stages go over
+            # the same samples in the same order, and evicting the oldest would evict exactly
+            # what the next stage asks for first.
+            if shared.bytes + size <= shared.max_bytes:
+                shared.bytes += size
+                bare = [replace(cap, module=None) for cap in layers]  # no model kept alive by the block
+                shared.entries[key] = Prefill(prompt, bare, made.seconds, made._scores, made._indices)
+            else:
+                shared.not_kept += 1
+        return made
 
     @torch.no_grad()
     def scores(self, prefill: Prefill, layer: int, method: str, n_kept: int | None = None) -> torch.Tensor:

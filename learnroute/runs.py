@@ -21,7 +21,8 @@ from learnroute.config import ConfigError, to_dict
 # Config fields that change no score (batching and the device change float rounding at
 # most; stop_at_final_score shortens predictions whose score is already final): a rerun may
 # change them and still resume (and a run saved before ``device`` existed resumes).
-_RESUME_FREE = ("output", "wandb", "wandb_project", "max_batch", "max_padding", "stop_at_final_score", "device")
+_RESUME_FREE = ("output", "wandb", "wandb_project", "max_batch", "max_padding", "stop_at_final_score", "device",
+                "prefill_cache_gib")
 DEVICES = ("auto", "cpu", "cuda")
 
 

@@ -432,3 +432,84 @@ def test_answers_end_once_until_holds(tokenizer, sample, park_after):
     engine = Engine(model, tokenizer, max_new_tokens=10, max_batch=3, max_padding=100.0, park_after=park_after)
     got = engine.answer(pre, routes, until=until)
     assert [g.token_ids for g in got] == want
+
+
+# ---------------------------------------------------------------------------- prefills shared across stages
+
+SHARED_ROUTES = ["snapkv", "expected_attention", "tova", "keydiff"]  # scorers that project with the module
+
+
+def shared_answers(engine, prompt, routes):
+    return [(r.token_ids, r.kept_per_layer, r.first_logits) for r in engine.answer(engine.prefill(prompt), routes,
+                                                                                  keep_logits=True)]
+
+
+def test_shared_prefills_answer_as_separate_prefills_across_engines_and_models(tokenizer, sample, tiny_dir):
+    from learnroute.engine import shared_prefills
+
+    routes = [Route.homogeneous(m, 4, 0.3) for m in SHARED_ROUTES] + [mixed_route()]
+    # The reference: a fresh model, engine and prefill per question, outside any block.
+    model, _ = lr.load_model(tiny_dir)
+    plain = Engine(model, tokenizer, max_new_tokens=6)
+    prompt = plain.encode(sample.context, sample.question, sample.answer_prefix)
+    aware = Engine(model, tokenizer, max_new_tokens=6, query_aware=True)
+    aware_prompt = aware.encode(sample.context, sample.question, sample.answer_prefix)
+    reference = shared_answers(plain, prompt, routes)
+    aware_reference = shared_answers(aware, aware_prompt, routes)
+    with shared_prefills(2**30) as shared:
+        # A first stage: its own model object and engine, one method scored and decoded.
+        first_model, _ = lr.load_model(tiny_dir)
+        first = Engine(first_model, tokenizer, max_new_tokens=6)
+        first.answer(first.prefill(prompt), routes[:1])
+        assert (shared.made, shared.hits) == (1, 0)
+        # A later stage reloads the model: same weights, served from the block.
+        later_model, _ = lr.load_model(tiny_dir)
+        later = Engine(later_model, tokenizer, max_new_tokens=6)
+        got = shared_answers(later, prompt, routes)
+        assert (shared.made, shared.hits) == (1, 1)
+        # The question in the prefill is another context: prefilled anew.
+        got_aware = shared_answers(Engine(later_model, tokenizer, max_new_tokens=6, query_aware=True), aware_prompt,
+                                   routes)
+        assert (shared.made, shared.hits) == (2, 1)
+        # Other weights under the same name: never served another model's prefill.
+        other = make_tiny(tokenizer, seed=1)
+        other.config._name_or_path = later_model.config._name_or_path
+        other_engine = Engine(other, tokenizer, max_new_tokens=6)
+        got_other = shared_answers(other_engine, prompt, routes)
+        assert (shared.made, shared.hits) == (3, 1)
+        # Other method options score differently: not shared either.
+        windowed = Engine(later_model, tokenizer, max_new_tokens=6, method_options={"snapkv": {"window_size": 4}})
+        windowed.prefill(prompt)
+        assert (shared.made, shared.hits) == (4, 1)
+        # Reused by a second answer on the same engine too (the first stage's scores kept).
+        assert shared_answers(later, prompt, routes[:2])[0][0] == got[0][0]
+        assert shared.hits == 2
+    for mine, ref in zip(got + got_aware, reference + aware_reference):
+        assert mine[:2] == ref[:2]
+        assert torch.equal(mine[2], ref[2])  # bit for bit: the same prefill, the same scores
+    other_ref = shared_answers(Engine(other, tokenizer, max_new_tokens=6), prompt, routes)
+    assert all(torch.equal(a[2], b[2]) for a, b in zip(got_other, other_ref))
+    assert any(not torch.equal(a[2], b[2]) for a, b in zip(got_other, reference))  # the test can tell models apart
+
+
+def test_shared_prefills_keep_what_fits_and_release_it_on_exit(tiny, tokenizer, sample):
+    from learnroute import engine as engine_module
+    from learnroute.engine import capture_bytes, shared_prefills
+
+    engine = Engine(tiny, tokenizer, max_new_tokens=4)
+    prompts = [engine.encode(sample.context[: len(sample.context) - 40 * i], sample.question) for i in range(3)]
+    size = capture_bytes(engine.prefill(prompts[0]).layers)
+    n, d, h_kv = prompts[0].context_ids.shape[1], tiny.config.head_dim, tiny.config.num_key_value_heads
+    # Keys, values and attention inputs per layer, one RoPE table (cos, sin): float32.
+    assert size == 4 * (4 * n * (2 * h_kv * d + tiny.config.hidden_size) + 2 * n * d)
+    with shared_prefills(int(1.5 * size)) as shared:  # room for the first only: the first is kept
+        for p in prompts + prompts:
+            engine.prefill(p)
+        assert (shared.hits, shared.made, shared.not_kept) == (1, 5, 4)
+        with shared_prefills(0) as inner:  # an inner block shares the outer one
+            assert inner is shared
+    assert engine_module._SHARED_PREFILLS is None
+    with shared_prefills(0) as none:
+        engine.prefill(prompts[0])
+        engine.prefill(prompts[0])
+        assert (none.hits, none.made, none.not_kept) == (0, 2, 2)

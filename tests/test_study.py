@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
 import yaml
 
 from learnroute import study as S
+from learnroute.bench import BenchConfig, run_bench
 from learnroute.cli import main
 from learnroute.config import ConfigError, load_config
 from learnroute.route import Route
+from learnroute.runs import read_jsonl
 
 
 def study_config(tmp_path, tiny_dir):
@@ -56,7 +59,21 @@ def test_study_end_to_end_then_nothing_to_redo(tiny_dir, tmp_path, monkeypatch, 
     path = study_config(tmp_path, tiny_dir)
     assert main(["study", "--config", str(path)]) == 0
     out = tmp_path / "study"
-    assert "| protocol | budget | Q1" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "| protocol | budget | Q1" in err
+    # The stages share their prefills: 4 calibration + 4 eval samples x 2 protocols are
+    # prefilled once each, then served again (training, controls, placement).
+    reused, made = map(int, re.search(r"prefills reused (\d+), made (\d+) \(0 not kept", err).groups())
+    assert made == 12 and reused >= made
+    # The controls, whose samples all came from the block, answer as a bench of their own does.
+    controls = load_config(BenchConfig, out / "bench_agnostic_controls" / "config.yaml",
+                           [f"output={tmp_path / 'controls_alone'}"])
+    run_bench(controls)
+    alone = {(r["sample_id"], r["route"], json.dumps(r["budget"])): r["prediction"]
+             for r in read_jsonl(tmp_path / "controls_alone" / "results.jsonl")}
+    shared = {(r["sample_id"], r["route"], json.dumps(r["budget"])): r["prediction"]
+              for r in read_jsonl(out / "bench_agnostic_controls" / "results.jsonl")}
+    assert alone == shared and len(alone) >= 8
     for sub in ("profile/profile.json", "train/learned/route.json", "train/budgets_only/route.json",
                 "train/warm/route.json", "routes/learned.json", "routes/learned_mixture.json",
                 "bench_agnostic/summary.md", "bench_aware/summary.md", "study.json", "study.md"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -43,6 +44,25 @@ def kv_heads(model: PreTrainedModel) -> int:
     """Key/value heads per layer (``num_key_value_heads``; the query heads without GQA)."""
     cfg = text_config(model)
     return int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+
+
+def fingerprint(model: PreTrainedModel) -> tuple:
+    """What a prefill of this model depends on: where it came from, dtype, device, attention
+    implementation, and a checksum of its first and last layers' query projections (two models
+    loaded from one folder match; a retrained or re-initialised one does not). Memoised
+    per model object: the checksum reads a few MB of weights."""
+    memo = _FINGERPRINTS.get(model)
+    if memo is None:
+        modules = attention_modules(model)
+        # The first parameter of each (its query projection): adapters attached later add theirs after it.
+        checksum = tuple(float(next(m.parameters()).detach().double().sum()) for m in (modules[0], modules[-1]))
+        memo = (str(getattr(model.config, "_name_or_path", "")), type(model).__name__, str(model.dtype), checksum)
+        _FINGERPRINTS[model] = memo
+    # Device and attention implementation can change on the same object (``.to``, routed attention).
+    return (*memo, str(model.device), str(text_config(model)._attn_implementation))
+
+
+_FINGERPRINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def model_type(model: PreTrainedModel) -> str:
