@@ -133,7 +133,7 @@ class StudyConfig:
         metadata={"help": "GiB of prefills each process keeps across stages (0 = none): the profile and training "
                           "prefill the same calibration samples, the bench, its controls and the placement the "
                           "same eval samples; a kept one is not prefilled or scored again (results are the "
-                          "same). A 1k-token sample of the default model takes 0.12 GiB"},
+                          "same). A 1k-token sample of the default model takes 0.11 GiB"},
     )
     device: str = field(
         default="auto",
