@@ -117,7 +117,11 @@ class SharedPrefills:
     bytes: int = 0
     hits: int = 0  # prefills served from the block
     made: int = 0  # prefills run inside the block
-    not_kept: int = 0  # made but not kept: the cap was reached
+
+    @property
+    def not_kept(self) -> int:
+        """Prefills made but not kept: the cap was reached (every miss is made once)."""
+        return self.made - len(self.entries)
 
     def summary(self) -> str:
         return (f"prefills reused {self.hits}, made {self.made} ({self.not_kept} not kept: cap), "
@@ -144,6 +148,13 @@ def shared_prefills(max_bytes: int):
         yield _SHARED_PREFILLS
     finally:
         _SHARED_PREFILLS = outer
+
+
+def _rebound(prefill: Prefill, prompt: Prompt, modules: list) -> Prefill:
+    """``prefill`` with ``prompt`` and its captures bound to ``modules`` (None: to no model);
+    the scores and indices dicts stay shared with it."""
+    layers = [replace(cap, module=m) for cap, m in zip(prefill.layers, modules, strict=True)]
+    return Prefill(prompt, layers, prefill.seconds, prefill._scores, prefill._indices)
 
 
 def capture_bytes(layers: list[_hf.LayerCapture]) -> int:
@@ -346,15 +357,13 @@ class Engine:
         ``seconds`` is what the prefill took when it was made."""
         shared = _SHARED_PREFILLS
         if shared is not None:
-            ids = prompt.context_ids[0].tolist()
-            key = (_hf.fingerprint(self.model), repr(sorted(self.method_options.items())), tuple(ids))
+            ids = tuple(prompt.context_ids[0].tolist())
+            key = (_hf.fingerprint(self.model), repr(sorted(self.method_options.items())), ids)
             if (kept := shared.entries.get(key)) is not None:
                 shared.hits += 1
-                modules = _hf.attention_modules(self.model)
                 # The asking engine's prompt (the question may differ) and its model's modules
-                # (scorers project with them); the scores and indices dicts stay shared.
-                layers = [replace(cap, module=modules[i]) for i, cap in enumerate(kept.layers)]
-                return Prefill(prompt, layers, kept.seconds, kept._scores, kept._indices)
+                # (scorers project with them).
+                return _rebound(kept, prompt, _hf.attention_modules(self.model))
         start = time.perf_counter()
         with _adapter.adapters_off(self.model):  # the cache is the base model's, whatever is attached
             layers = _hf.capture_prefill(self.model, prompt.context_ids.to(self.model.device))
@@ -367,10 +376,8 @@ class Engine:
             # what the next stage asks for first.
             if shared.bytes + size <= shared.max_bytes:
                 shared.bytes += size
-                bare = [replace(cap, module=None) for cap in layers]  # no model kept alive by the block
-                shared.entries[key] = Prefill(prompt, bare, made.seconds, made._scores, made._indices)
-            else:
-                shared.not_kept += 1
+                # Bound to no module: the block keeps no model alive.
+                shared.entries[key] = _rebound(made, prompt, [None] * len(layers))
         return made
 
     @torch.no_grad()
