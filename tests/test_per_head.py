@@ -351,6 +351,46 @@ def test_head_spread_bounds_allocated_over_kept_also_where_heads_hit_the_context
             assert all(3 * (max(h) - 1) <= limit * (sum(h) + 3) for h in heads)
 
 
+def test_fixed_layer_totals_split_each_layers_start_budget_over_its_heads_by_hand():
+    """Two layers of two heads start at layer shares 0.75 / 0.25 (floor 0, mean 10 tokens):
+    heads at 4 x share = 1.5, 1.5, 0.5, 0.5 of the mean. Logits log 3, 0 in layer 0 split it
+    3:1 (22.5 / 7.5) and leave layer 1 (5 / 5): the layer totals stay 30 / 10. Learned
+    totals, the same logits give softmax over all four units: 3/6, 1/6, 1/6, 1/6."""
+    import math
+
+    from learnroute.gates.gates import Gates
+
+    kw = dict(n_heads=2, budget_floor=0.0, init_methods=["snapkv"] * 2, init_shares=[0.75, 0.25])
+    fixed, learned = Gates(["snapkv"], [True, True], layer_totals="fixed", **kw), Gates(["snapkv"], [True, True], **kw)
+    assert fixed.budgets(10.0, 100).tolist() == pytest.approx([15.0, 15.0, 5.0, 5.0], abs=1e-4)
+    with torch.no_grad():
+        for g in (fixed, learned):
+            g.beta.copy_(torch.tensor([math.log(3.0), 0.0, 0.0, 0.0]))
+    assert fixed.budgets(10.0, 100).tolist() == pytest.approx([22.5, 7.5, 5.0, 5.0], abs=1e-4)
+    assert learned.budgets(10.0, 100).tolist() == pytest.approx([20.0, 20 / 3, 20 / 3, 20 / 3], abs=1e-4)
+    with pytest.raises(ValueError, match="needs n_heads > 1"):
+        Gates(["snapkv"], [True, True], layer_totals="fixed", init_methods=["snapkv"] * 2)
+
+
+def test_training_with_fixed_layer_totals_keeps_the_start_routes_layer_budgets(tiny_dir, tmp_path):
+    """Per-head gates from a per-layer route under layer_totals=fixed: after training, the
+    exported route (and the one export rebuilds from the checkpoint) keeps every layer's
+    total at the start route's budget, while heads within a layer learned to differ."""
+    from learnroute.cli import main
+    from tests.test_gates import write_config
+
+    shape = Route.from_layers(["tova"] * 4, [0.05, 0.05, 0.4, 0.3]).to_file(tmp_path / "shape.json")  # mean 0.2
+    cfg = write_config(tmp_path, tiny_dir, granularity="head", layer_totals="fixed", init_route=str(shape),
+                       learn="budgets", init_method="tova", budgets=[0.2], steps=3, eval_every=3, save_every=3,
+                       select="last", lr=0.5)
+    assert main(["train", "--config", str(cfg)]) == 0
+    assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "e.json")]) == 0
+    for route in (Route.from_file(tmp_path / "run" / "route.json"), Route.from_file(tmp_path / "e.json")):
+        heads = route.head_budgets(2)  # (L, H)
+        assert [sum(h) / 2 for h in heads] == pytest.approx([0.05, 0.05, 0.4, 0.3], abs=1e-5)
+        assert any(abs(h[0] - h[1]) > 1e-3 for h in heads)  # the split was learned
+
+
 def test_per_head_gates_start_from_a_per_head_route_or_a_per_layer_one(tmp_path):
     from learnroute.config import from_dict
     from learnroute.gates.config import TrainConfig
@@ -383,6 +423,10 @@ def test_granularity_problems_are_named(tmp_path):
         from_dict(TrainConfig, {"granularity": "head", "head_spread": 0.5})
     with pytest.raises(ConfigError, match="granularity: head needs gates that train"):
         from_dict(TrainConfig, {"granularity": "head", "learn": "none", "init_method": "snapkv"})
+    with pytest.raises(ConfigError, match="layer_totals=fixed keeps per-layer budgets .* needs granularity: head"):
+        from_dict(TrainConfig, {"layer_totals": "fixed"})
+    with pytest.raises(ConfigError, match="layer_totals must be one of learn, fixed"):
+        from_dict(TrainConfig, {"granularity": "head", "layer_totals": "frozen"})
     ada = Route.adakv("snapkv", 4, 0.2).to_file(tmp_path / "a.json")
     with pytest.raises(ConfigError, match="shares layer budgets across heads"):
         from_dict(TrainConfig, {"init_route": str(ada)})

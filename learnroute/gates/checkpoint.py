@@ -24,6 +24,7 @@ def checkpoint_meta(config: TrainConfig, model_name: str, n_layers: int, n_heads
         "learn": config.learn,
         "budget_floor": json.dumps(config.budget_floor),
         "head_spread": json.dumps(config.head_spread),
+        "layer_totals": config.layer_totals,
     }
 
 
@@ -36,6 +37,8 @@ def save_gates(
 
     tensors = {"theta": gates.theta.detach().cpu().contiguous(), "beta": gates.beta.detach().cpu().contiguous()}
     tensors["free"] = gates.free.to(torch.int8).cpu()
+    if gates.layer_shares is not None:  # fixed layer totals: shares() needs them to rebuild the budgets
+        tensors["layer_shares"] = gates.layer_shares.detach().cpu().contiguous()
     if adapter is not None:  # cotrain.AdapterTraining: LoRA weights (and their AdamW state)
         tensors.update(adapter.tensors(optimizer))
     if optimizer is not None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from learnroute import adapter as _adapter
-from learnroute.gates.gates import LEARN, MIXING
+from learnroute.gates.gates import LAYER_TOTALS, LEARN, MIXING
 from learnroute.gates.topk import RELAXATIONS
 from learnroute.methods.registry import METHODS
 from learnroute.route import Route, RouteError, budget_problem
@@ -106,6 +106,12 @@ class TrainConfig:
                           "(the excess goes to the layer's other heads), so the padded cache allocates at most "
                           "this times the tokens kept; null = no limit"},
     )
+    layer_totals: str = field(
+        default="learn",
+        metadata={"help": "granularity head: learn | fixed. fixed keeps each layer's share of the budget at its "
+                          "start (init_route's budget shape, else uniform) and learns only how the layer splits "
+                          "it over its KV heads"},
+    )
     init_route: str | None = field(
         default=None, metadata={"help": "route file to start from (e.g. a profile route): methods and budget shape"}
     )
@@ -158,6 +164,15 @@ class TrainConfig:
             if self.granularity != "head":
                 problems.append(f"head_spread={self.head_spread} limits per-head budgets: it needs granularity: head, "
                                 f"got {self.granularity!r}")
+        if self.layer_totals not in LAYER_TOTALS:
+            problems.append(f"layer_totals must be one of {', '.join(LAYER_TOTALS)}, got {self.layer_totals!r}")
+        elif self.layer_totals == "fixed":
+            if self.granularity != "head":
+                problems.append(f"layer_totals=fixed keeps per-layer budgets and learns their split over heads: "
+                                f"it needs granularity: head, got {self.granularity!r}")
+            if self.learn not in ("both", "budgets"):
+                problems.append(f"layer_totals=fixed learns budgets within layers: it needs learn: both or budgets, "
+                                f"got {self.learn!r}")
         return problems
 
     def validate(self) -> list[str]:

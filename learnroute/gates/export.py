@@ -20,7 +20,7 @@ from learnroute.config import ConfigError, from_dict, to_dict
 from learnroute.gates import cotrain
 from learnroute.gates.checkpoint import load_gates
 from learnroute.gates.config import TrainConfig
-from learnroute.gates.gates import Gates
+from learnroute.gates.gates import Gates, unit_shares
 from learnroute.gates.start import build_gates
 from learnroute.methods.budgets import Budget, unit_weights
 from learnroute.route import LayerRoute, Route, parse_budget
@@ -42,10 +42,13 @@ def gates_from_checkpoint(
     if config.learn == "none":
         return cotrain.build_fixed_gates(config, model, n_layers, free), meta
     gates = Gates(config.methods, free, learn="both", budget_floor=json.loads(meta.get("budget_floor", "0.05")),
-                  n_heads=gate_heads(meta), head_spread=json.loads(meta.get("head_spread", "null")))
+                  n_heads=gate_heads(meta), head_spread=json.loads(meta.get("head_spread", "null")),
+                  layer_totals=meta.get("layer_totals", "learn"))
     with torch.no_grad():
         gates.theta.copy_(tensors["theta"])
         gates.beta.copy_(tensors["beta"])
+        if gates.layer_shares is not None:
+            gates.layer_shares.copy_(tensors["layer_shares"])
     return gates, meta
 
 
@@ -127,7 +130,7 @@ def plot_gates(out: Path, path: Path, config: TrainConfig) -> None:
     plt.close(fig)
     H = gate_heads(meta)
     free = tensors["free"].bool().repeat_interleave(H)  # (L·H,)
-    shares = torch.softmax(tensors["beta"].masked_fill(~free, float("-inf")), 0)  # (L·H,), 0 on fixed units
+    shares = unit_shares(tensors["beta"], free, H, tensors.get("layer_shares"))  # (L·H,), 0 on fixed units
     floor = config.budget_floor
     # per-unit budget / mean budget (before the context cap), by the gates' own arithmetic:
     # the floor, then the checkpoint's head_spread cap; fixed units drawn at the floor

@@ -19,7 +19,9 @@ budgets to integers with the exact total.
 layer, "units" ``u = l·H + h``: θ (L·H, M), β (L·H,), budgets water-filled over every free
 (layer, head), masks per head from that head's π and budget, and hardening gives a
 per-head route (:meth:`learnroute.route.LayerRoute.per_head`). The same relaxations,
-floors, caps and rounding: only the number of units changes.
+floors, caps and rounding: only the number of units changes. With ``layer_totals="fixed"``
+each layer's share of the budget stays at its start (a buffer ``layer_shares`` (L,)) and β
+learns only how the layer splits it over its heads: ``share_u = s_l · softmax_h(β_l)``.
 """
 
 from __future__ import annotations
@@ -36,6 +38,23 @@ from learnroute.route import LayerRoute, Route
 
 MIXING = ("score", "mask")
 LEARN = ("both", "methods", "budgets", "none")  # none: frozen gates (a fixed route; an adapter trains)
+LAYER_TOTALS = ("learn", "fixed")  # granularity head: learn each layer's total, or keep it at the start
+
+
+def unit_shares(
+    beta: torch.Tensor, free_units: torch.Tensor, n_heads: int, layer_shares: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Budget shares (L·H,) over the free units (zero on fixed ones), summing to 1, from
+    budget logits ``beta`` (L·H,): one softmax over every free unit, or, with
+    ``layer_shares`` (L,) (fixed layer totals), each layer's share split over its heads by a
+    softmax of its own logits."""
+    logits = beta.masked_fill(~free_units, float("-inf"))  # (L·H,)
+    if layer_shares is None:
+        return torch.softmax(logits, dim=0)
+    per_layer = logits.view(-1, n_heads)  # (L, H)
+    free_layer = free_units.view(-1, n_heads)[:, 0]  # (L,): a layer's heads are all free or all fixed
+    within = torch.softmax(per_layer.masked_fill(~free_layer[:, None], 0.0), dim=1)  # (L, H), fixed rows unused
+    return (within * layer_shares.to(within)[:, None]).reshape(-1)  # (L·H,); layer_shares is 0 on fixed layers
 
 
 class Gates(nn.Module):
@@ -61,6 +80,7 @@ class Gates(nn.Module):
         budget_floor: float = 0.05,
         n_heads: int = 1,
         head_spread: float | None = None,
+        layer_totals: str = "learn",
     ) -> None:
         super().__init__()
         if learn not in LEARN:
@@ -73,6 +93,11 @@ class Gates(nn.Module):
             raise ValueError(f"n_heads must be >= 1, got {n_heads}")
         if head_spread is not None and not head_spread >= 1.0:
             raise ValueError(f"head_spread must be >= 1 (a head's budget over its layer's mean), got {head_spread}")
+        if layer_totals not in LAYER_TOTALS:
+            raise ValueError(f"layer_totals must be one of {', '.join(LAYER_TOTALS)}, got {layer_totals!r}")
+        if layer_totals == "fixed" and n_heads == 1:
+            raise ValueError("layer_totals='fixed' keeps per-layer budgets and learns their split over heads: "
+                             "it needs n_heads > 1")
         self.methods = list(methods)
         self.learn = learn
         self.budget_floor = float(budget_floor)
@@ -99,6 +124,15 @@ class Gates(nn.Module):
             beta = torch.tensor(init_shares, dtype=torch.float32).clamp_min(1e-6).log()
         self.theta = nn.Parameter(theta, requires_grad=learn in ("both", "methods"))
         self.beta = nn.Parameter(beta, requires_grad=learn in ("both", "budgets"))
+        self.register_buffer("layer_shares", None)  # (L,) with fixed layer totals
+        if layer_totals == "fixed":
+            # each free layer's share at the start, the sum of its heads' (uniform without init_shares)
+            start = unit_shares(beta, self.free_units, H).view(L, H).sum(1)  # (L, H) -> (L,)
+            self.layer_shares = start / start.sum().clamp_min(1e-12)
+
+    @property
+    def layer_totals(self) -> str:
+        return "learn" if self.layer_shares is None else "fixed"
 
     @property
     def n_layers(self) -> int:
@@ -130,8 +164,7 @@ class Gates(nn.Module):
 
     def shares(self) -> torch.Tensor:
         """Budget shares (L·H,) over the free units (zero on fixed ones), summing to 1."""
-        logits = self.beta.masked_fill(~self.free_units, float("-inf"))
-        return torch.softmax(logits, dim=0)
+        return unit_shares(self.beta, self.free_units, self.n_heads, self.layer_shares)
 
     def budgets(self, mean_k: float, n: int) -> torch.Tensor:
         """Soft per-unit budgets (L·H,) in tokens for a mean of ``mean_k`` tokens per free

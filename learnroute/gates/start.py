@@ -75,4 +75,5 @@ def build_gates(config: TrainConfig, n_layers: int, free: list[bool], n_heads: i
         budget_floor=config.budget_floor,
         n_heads=n_heads,
         head_spread=config.head_spread,
+        layer_totals=config.layer_totals,
     )
