@@ -32,7 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from learnroute.methods.budgets import allocate, rescale_budgets
+import torch
+
+from learnroute.methods.budgets import allocate, floored_weights, rescale_budgets, spread_capped, water_fill
 from learnroute.methods.registry import METHODS
 
 SCHEMA = "learnroute.route/2"
@@ -340,6 +342,49 @@ class Route:
                 else:
                     layers.append(LayerRoute.per_head([LayerRoute(h.method, b, h.mixture)
                                                        for h, b in zip(e.head_entries(H), mine)]))
+        return Route(layers, model=self.model, provenance=prov, adapter_path=self.adapter_path)
+
+    def reshaped(self, *, floor: float | None = None, head_spread: float | None = None,
+                 layer_mean: bool = False) -> Route:
+        """The route with its fractional budgets reshaped after the fact, the mean kept:
+        ``floor`` lifts every entry (each head of a per-head route) to at least that share of
+        the mean (``floor + (1 - floor)·U·share``, as the gates' floor); then ``head_spread``
+        caps each head at that many times its layer's mean head budget (the excess to the
+        layer's other heads, as the gates' cap); then ``layer_mean`` gives every head its
+        layer's mean. Methods and mixtures stay. A probe, not a trained route: a floor or cap
+        put on after training is not one trained with (docs/results.md §0.13)."""
+        problems = []
+        if floor is not None and not 0.0 <= floor < 1.0:
+            problems.append(f"floor must be in [0, 1), got {floor}")
+        if head_spread is not None and not head_spread >= 1.0:
+            problems.append(f"head_spread must be >= 1 (a head's budget over its layer's mean), got {head_spread}")
+        if (head_spread is not None or layer_mean) and not self.is_per_head:
+            problems.append("head_spread and layer_mean reshape budgets within layers: they need a per-head route")
+        if floor is None and head_spread is None and not layer_mean:
+            problems.append("nothing to do: give floor, head_spread or layer_mean")
+        H = self.n_heads or 1
+        grid = self.head_budgets(H)  # (L, H) lists; H = 1 for a per-layer route
+        if any(isinstance(b, int) for row in grid for b in row):
+            problems.append("reshaping needs fractional budgets (fractions of the context; bench turns them "
+                            "into tokens per sample): this route has token budgets")
+        if problems:
+            raise RouteError("cannot reshape this route:\n  " + "\n  ".join(problems))
+        b = torch.tensor(grid, dtype=torch.float64)  # (L, H)
+        if floor is not None:
+            flat = b.reshape(-1)  # (L·H,)
+            b = water_fill(floored_weights(flat, floor), flat.sum(), 1.0).view_as(b)  # (L, H), mean kept
+        if head_spread is not None:
+            b = spread_capped(b, head_spread)  # (L, H), each layer's sum kept
+        if layer_mean:
+            b = b.mean(1, keepdim=True).expand_as(b)  # (L, H)
+        layers = []
+        for e, row in zip(self.layers, b.tolist()):
+            if self.is_per_head and (e.heads is not None or len(set(row)) > 1):
+                layers.append(LayerRoute.per_head([LayerRoute(h.method, x, h.mixture)
+                                                   for h, x in zip(e.head_entries(H), row)]))
+            else:  # a per-layer entry whose heads stay alike
+                layers.append(LayerRoute(e.method, row[0], e.mixture, share=e.share))
+        prov = {**self.provenance, "reshaped": {"floor": floor, "head_spread": head_spread, "layer_mean": layer_mean}}
         return Route(layers, model=self.model, provenance=prov, adapter_path=self.adapter_path)
 
     def with_adapter(self, path: str | os.PathLike | None) -> Route:

@@ -1,8 +1,10 @@
-"""``learnroute show``: print a route file as a per-layer table."""
+"""``learnroute show``: print a route file as a per-layer table; ``learnroute reshape``: floor,
+cap or flatten a route file's budgets after the fact."""
 
 from __future__ import annotations
 
 import argparse
+import os
 
 from learnroute.route import Route, RouteError
 
@@ -35,4 +37,27 @@ def show(argv: list[str]) -> int:
     for i, entry in enumerate(route.layers):
         print(f"{i:>5}  {entry.method:<20} {entry.budget}")
     print("counts: " + ", ".join(f"{m}={c}" for m, c in sorted(route.method_counts().items())))
+    return 0
+
+
+def reshape(argv: list[str]) -> int:
+    """Write a route file's budgets reshaped after the fact (mean kept): a floor, a cap on
+    the spread within layers, or each layer's mean (:meth:`learnroute.route.Route.reshaped`)."""
+    parser = argparse.ArgumentParser(prog="learnroute reshape", description=reshape.__doc__)
+    parser.add_argument("route", help="route JSON file (fractional budgets)")
+    parser.add_argument("--out", required=True, help="where to write the reshaped route (must not exist)")
+    parser.add_argument("--floor", type=float, help="every entry keeps at least this share of the mean, in [0, 1)")
+    parser.add_argument("--head-spread", type=float,
+                        help="per-head routes: each head at most this times its layer's mean head budget (>= 1)")
+    parser.add_argument("--layer-mean", action="store_true", help="per-head routes: every head at its layer's mean")
+    args = parser.parse_args(argv)
+    if os.path.exists(args.out):
+        parser.exit(2, f"learnroute reshape: error: {args.out} exists; choose another --out (nothing is overwritten)\n")
+    try:
+        route = Route.from_file(args.route).reshaped(floor=args.floor, head_spread=args.head_spread,
+                                                     layer_mean=args.layer_mean)
+    except RouteError as e:
+        parser.exit(2, f"learnroute reshape: error: {e}\n")
+    route.to_file(args.out)
+    print(f"wrote {args.out}: {route.describe()}")
     return 0

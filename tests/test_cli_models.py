@@ -86,3 +86,46 @@ def test_demo_refuses_a_bad_budget_before_loading_a_model(capsys, budget, proble
         main(["demo", "--budget", budget])
     assert exit_.value.code == 2
     assert problem in capsys.readouterr().err
+
+
+def test_reshape_floors_caps_and_flattens_budgets_by_hand(tmp_path, capsys):
+    """Heads 0.02 / 0.18 and 0.10 / 0.10 (mean 0.1). Floor 0.5: 0.5 + 0.5 x 4 x share of
+    the mean = 0.6 / 1.4 / 1.0 / 1.0 -> 0.06 / 0.14 / 0.10 / 0.10. Cap 1.5: layer 0's 0.18
+    over 1.5 x 0.1 gives its excess to the other head (0.05 / 0.15). Layer mean: 0.1 each.
+    Floor 0.5 then cap 1.2: 0.06 / 0.14 -> 0.08 / 0.12. Methods stay per head."""
+    heads = [[("tova", 0.02), ("snapkv", 0.18)], [("knorm", 0.1), ("tova", 0.1)]]
+    route = lr.Route([lr.LayerRoute.per_head([lr.LayerRoute(m, b) for m, b in row]) for row in heads])
+    path = route.to_file(tmp_path / "r.json")
+
+    def got(**kw):
+        out = route.reshaped(**kw)
+        assert [[h.method for h in e.heads] for e in out.layers] == [[m for m, _ in row] for row in heads]
+        return [b for row in out.head_budgets(2) for b in row]
+
+    assert got(floor=0.5) == pytest.approx([0.06, 0.14, 0.1, 0.1])
+    assert got(head_spread=1.5) == pytest.approx([0.05, 0.15, 0.1, 0.1])
+    assert got(layer_mean=True) == pytest.approx([0.1] * 4)
+    assert got(floor=0.5, head_spread=1.2) == pytest.approx([0.08, 0.12, 0.1, 0.1])
+    layered = lr.Route.from_layers(["tova", "snapkv"], [0.02, 0.18])
+    assert layered.reshaped(floor=0.5).budgets == pytest.approx([0.06, 0.14])
+
+    assert main(["reshape", str(path), "--out", str(tmp_path / "f.json"), "--floor", "0.5"]) == 0
+    assert sum(lr.Route.from_file(tmp_path / "f.json").head_budgets(2), []) == pytest.approx([0.06, 0.14, 0.1, 0.1])
+    with pytest.raises(SystemExit):  # nothing is overwritten
+        main(["reshape", str(path), "--out", str(tmp_path / "f.json"), "--floor", "0.2"])
+    assert "exists" in capsys.readouterr().err
+    assert sum(lr.Route.from_file(tmp_path / "f.json").head_budgets(2), []) == pytest.approx([0.06, 0.14, 0.1, 0.1])
+
+
+def test_reshape_names_every_problem(tmp_path, capsys):
+    tokens = lr.Route.from_layers(["tova", "snapkv"], [20, 60]).to_file(tmp_path / "t.json")
+    with pytest.raises(SystemExit) as exit_:
+        main(["reshape", str(tokens), "--out", str(tmp_path / "o.json"), "--floor", "1.5", "--head-spread", "0.5"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    for part in ("floor must be in [0, 1)", "head_spread must be >= 1", "they need a per-head route",
+                 "this route has token budgets"):
+        assert part in err
+    assert not (tmp_path / "o.json").exists()
+    with pytest.raises(lr.RouteError, match="nothing to do"):
+        lr.Route.from_layers(["tova"], [0.1]).reshaped()
