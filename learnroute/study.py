@@ -38,6 +38,7 @@ Budget = int | float
 PROTOCOLS = ("agnostic", "aware")
 # Keys of a variant that the study sets itself (one calibration set, one model, one budget list).
 TOKENS = ("@profile", "@profile_alloc", "@profile_best")  # study files a variant may start from
+VARIANT_TOKEN = "@variant:"  # init_route: @variant:<name>, the trained route of a variant listed before
 PROFILE_PLACEMENT = "@profile"  # placement_variant: the profile's per-layer route, not a variant's
 STUDY_OWNED = ("model", "tasks", "context_tokens", "seed", "methods", "output", "query_aware")
 
@@ -94,7 +95,8 @@ class StudyConfig:
     variants: dict[str, dict[str, Any]] = field(
         default_factory=lambda: {"learned": {}},
         metadata={
-            "help": "variant -> TrainConfig overrides; init_route may be @profile or @profile_alloc, "
+            "help": "variant -> TrainConfig overrides; init_route may be @profile or @profile_alloc, or "
+            "@variant:<name>, the trained route of a variant listed before (a second stage), "
             "init_method @profile_best (the method with the least mean damage in the profile)"
         },
     )
@@ -244,7 +246,7 @@ class StudyConfig:
         if self.per_budget:
             for b in self.all_budgets:
                 variants[f"{self.main_variant}@{b}"] = {**self.variants.get(self.main_variant, {}), "budgets": [b]}
-        out_cfgs = {}
+        out_cfgs: dict[str, dict[str, Any]] = {}
         for name, over in variants.items():
             owned = sorted(set(over) & set(STUDY_OWNED))
             if owned:
@@ -264,6 +266,16 @@ class StudyConfig:
             # in for a token, so that a fixed-method variant (learn=budgets or none) starting
             # from the profile's best method or from its route is checked as given a start.
             fixed = data.get("learn") in ("budgets", "none")
+            if isinstance(data.get("init_route"), str) and data["init_route"].startswith(VARIANT_TOKEN):
+                # a second stage (e.g. per-head splits over a per-layer route's layer totals):
+                # variants train in order, so the earlier one's route.json exists by then
+                source = data["init_route"][len(VARIANT_TOKEN):]
+                if source not in out_cfgs:
+                    raise ConfigError(f"variant {name!r}: init_route {data['init_route']!r} names no variant listed "
+                                      f"before it; valid: {', '.join(VARIANT_TOKEN + v for v in out_cfgs) or 'none'}")
+                data["init_route"] = None if check else str(Path(out_cfgs[source]["output"]) / "route.json")
+                if check and fixed and data.get("init_method") is None:
+                    data["init_method"] = self.methods[0]  # stands in until the source variant has trained
             for key in ("init_route", "init_method"):
                 if isinstance(data.get(key), str) and data[key].startswith("@"):
                     if data[key] not in TOKENS:

@@ -35,6 +35,9 @@ def study_config(tmp_path, tiny_dir):
             "warm": {"init_route": "@profile_alloc", "lr": 0.01},
             "homog_adapter": {"learn": "none", "adapter": True, "init_method": "@profile_best", "lora_rank": 2},
             "per_head": {"learn": "budgets", "init_method": "@profile_best", "granularity": "head"},
+            # a second stage: per-head splits of budgets_only's trained layer totals
+            "split": {"learn": "budgets", "init_method": "@profile_best", "granularity": "head",
+                      "layer_totals": "fixed", "init_route": "@variant:budgets_only"},
         },
         "mixture_of": ["learned"],
         # a route made elsewhere (say trained at another length), benched beside the study's own
@@ -87,6 +90,7 @@ def test_study_end_to_end_then_nothing_to_redo(tiny_dir, tmp_path, monkeypatch, 
             assert set(b["q6_variants"]) == {
                 "learned_budgets_only", "learned_warm", "learned_mixture", "learned_homog_adapter",
                 "learned_per_head",  # granularity: head, a per-head route
+                "learned_split",  # per-head splits of budgets_only's layer totals
                 "learned_per_budget",  # learned@0.25 at 0.25, learned@40 at 40 (aware: @0.5): one row
                 "imported_mixed",  # imported_routes
             }
@@ -138,7 +142,11 @@ def test_study_end_to_end_then_nothing_to_redo(tiny_dir, tmp_path, monkeypatch, 
     assert not (out / "routes" / "learned_start.json").exists()  # `learned` starts cold: no start to bench
     for b in result["protocols"]["agnostic"]["budgets"]:
         assert set(b["q8_vs_start"]) == {"learned_budgets_only", "learned_warm", "learned_homog_adapter",
-                                         "learned_per_head"}
+                                         "learned_per_head", "learned_split"}
+    # the second stage kept budgets_only's trained layer totals (both exported at 0.25)
+    split = Route.from_file(out / "routes" / "learned_split.json")
+    assert len({e["budget"] for e in budgets_only["layers"]}) > 1  # trained away from uniform
+    assert [sum(h) / 2 for h in split.head_budgets(2)] == pytest.approx([e["budget"] for e in budgets_only["layers"]])
     per_head = Route.from_file(out / "routes" / "learned_per_head.json")
     assert per_head.is_per_head and per_head.n_heads == 2  # the tiny Llama's KV heads
     for b in result["protocols"]["agnostic"]["budgets"]:  # Q9: per-head minus per-layer main and adakv
@@ -310,6 +318,9 @@ def test_bad_study_config_is_one_error(tmp_path):
                                               "variants={learned: {context_tokens: 5}}", "eval_tasks={nosuch: 2}"])
     with pytest.raises(ConfigError, match="unknown study token '@profil'"):
         load_config(S.StudyConfig, overrides=["variants={learned: {init_route: '@profil'}}"])
+    with pytest.raises(ConfigError, match=r"variant 'a': init_route '@variant:b' names no variant listed before it; "
+                                          r"valid: none"):
+        load_config(S.StudyConfig, overrides=["variants={a: {init_route: '@variant:b'}, b: {}}"])
     msg = str(e.value)
     for part in ("protocols must be", "main_variant 'nope'", "the study sets those", "unknown task 'nosuch'",
                  "aware_budgets is set but 'aware' is not in protocols"):
