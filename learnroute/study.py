@@ -266,25 +266,24 @@ class StudyConfig:
             # in for a token, so that a fixed-method variant (learn=budgets or none) starting
             # from the profile's best method or from its route is checked as given a start.
             fixed = data.get("learn") in ("budgets", "none")
-            if isinstance(data.get("init_route"), str) and data["init_route"].startswith(VARIANT_TOKEN):
-                # a second stage (e.g. per-head splits over a per-layer route's layer totals):
-                # variants train in order, so the earlier one's route.json exists by then
-                source = data["init_route"][len(VARIANT_TOKEN):]
-                if source not in out_cfgs:
-                    raise ConfigError(f"variant {name!r}: init_route {data['init_route']!r} names no variant listed "
-                                      f"before it; valid: {', '.join(VARIANT_TOKEN + v for v in out_cfgs) or 'none'}")
-                data["init_route"] = None if check else str(Path(out_cfgs[source]["output"]) / "route.json")
-                if check and fixed and data.get("init_method") is None:
-                    data["init_method"] = self.methods[0]  # stands in until the source variant has trained
             for key in ("init_route", "init_method"):
-                if isinstance(data.get(key), str) and data[key].startswith("@"):
-                    if data[key] not in TOKENS:
-                        raise ConfigError(
-                            f"variant {name!r}: unknown study token {data[key]!r}; valid: {', '.join(TOKENS)}"
-                        )
-                    data[key] = None if check else self._resolve_token(out, data[key], data["budgets"])
-                    if check and fixed and (key == "init_method" or data.get("init_method") is None):
-                        data["init_method"] = self.methods[0]  # stands in until the profile exists
+                value = data.get(key)
+                if not (isinstance(value, str) and value.startswith("@")):
+                    continue
+                if key == "init_route" and value.startswith(VARIANT_TOKEN):
+                    # a second stage (e.g. per-head splits over a per-layer route's layer totals):
+                    # variants train in order, so the earlier one's route.json exists by then
+                    source = value[len(VARIANT_TOKEN):]
+                    if source not in out_cfgs:
+                        raise ConfigError(f"variant {name!r}: init_route {value!r} names no variant listed before "
+                                          f"it; valid: {', '.join(VARIANT_TOKEN + v for v in out_cfgs) or 'none'}")
+                    data[key] = None if check else str(Path(out_cfgs[source]["output"]) / "route.json")
+                else:
+                    if value not in TOKENS:
+                        raise ConfigError(f"variant {name!r}: unknown study token {value!r}; valid: {', '.join(TOKENS)}")
+                    data[key] = None if check else self._resolve_token(out, value, data["budgets"])
+                if check and fixed and (key == "init_method" or data.get("init_method") is None):
+                    data["init_method"] = self.methods[0]  # stands in until the profile (or source variant) exists
             out_cfgs[name] = data
         return out_cfgs
 

@@ -131,10 +131,6 @@ class Gates(nn.Module):
             self.layer_shares = start / start.sum().clamp_min(1e-12)
 
     @property
-    def layer_totals(self) -> str:
-        return "learn" if self.layer_shares is None else "fixed"
-
-    @property
     def n_layers(self) -> int:
         return self.theta.shape[0] // self.n_heads
 
