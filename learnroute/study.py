@@ -29,6 +29,7 @@ from typing import Any
 
 from learnroute.config import ConfigError, from_dict, to_dict
 from learnroute.gates.config import CANDIDATES, TrainConfig
+from learnroute.methods import get_method
 from learnroute.route import Route, budget_problem
 from learnroute.runs import atomic_write, device_problem
 from learnroute.stats import VALID_FULL, best_homogeneous, paired, sample_scores, solved_tasks
@@ -578,7 +579,14 @@ class _Stages:
                 best |= {best_homogeneous(scores, json.dumps(b)) for b in config.protocol_budgets(protocol)}
         best -= {None}
         methods = {r.split(":", 1)[1] for r in best}
-        todo = sorted([f"pyramid:{m}" for m in methods if m not in config.pyramid] + [f"adakv:{m}" for m in methods])
+        # A method that scores every KV head alike has the homogeneous route as its Ada-KV
+        # split (the same tokens in every head): not benched, and the answers read it so.
+        alike = sorted(m for m in methods if get_method(m).head_uniform)
+        if alike:
+            self.log(f"controls: {', '.join(f'adakv:{m}' for m in alike)} not benched: the method scores every "
+                     "KV head alike, so Ada-KV's split keeps what the homogeneous route keeps (its answers)")
+        todo = sorted([f"pyramid:{m}" for m in methods if m not in config.pyramid]
+                      + [f"adakv:{m}" for m in methods if m not in alike])
         if not todo:
             return
         self.log(f"stage 4/5: bench ({protocol}) of the control {', '.join(todo)}")
@@ -663,6 +671,8 @@ def _answers(config: StudyConfig, rows: list[dict], main: str, budgets: list[Bud
         entry["best_homogeneous"] = best_h
         for kind in CONTROL_KINDS:  # the controls: PyramidKV's and Ada-KV's allocations over that method
             ctrl = f"{kind}:{best_h.split(':', 1)[1]}" if best_h else None
+            if kind == "adakv" and best_h and (ctrl, bk) not in scores and get_method(ctrl.split(":", 1)[1]).head_uniform:
+                ctrl = best_h  # not benched: a method that scores every head alike has it as its Ada-KV split
             entry[f"{kind}_best"] = ctrl if (ctrl, bk) in scores else None
         if main in avg and best_h:
             m = scores[(main, bk)]
@@ -904,7 +914,10 @@ def _control_lines(res: dict[str, Any], main: str, where: str = "") -> list[str]
         for e in res["budgets"]:
             for k in CONTROL_KINDS:
                 if e.get(f"{k}_best"):
-                    lines.append(f"| {e['budget']} | {e[f'{k}_best']} | {100 * e['avg'][e[f'{k}_best']]:.1f} | "
+                    label = e[f"{k}_best"]
+                    if not label.startswith(f"{k}:"):  # the homogeneous route stands in (see _answers)
+                        label = f"{k}:{label.split(':', 1)[1]} (= {label}: every KV head scores alike)"
+                    lines.append(f"| {e['budget']} | {label} | {100 * e['avg'][e[f'{k}_best']]:.1f} | "
                                  f"{_ci(e.get(f'q1_vs_{k}_best'))} |")
     per_head = sorted({v for e in res["budgets"] for v in e.get("q9_per_head", {})})
     if per_head:

@@ -43,6 +43,18 @@ def test_scores_have_one_value_per_kv_head_and_token(name, captures, tiny):
     assert torch.isfinite(scores).all()
 
 
+@pytest.mark.parametrize("name", CANDIDATES)
+def test_head_uniform_says_whether_every_kv_head_scores_alike(name, captures, tiny):
+    """The study skips adakv:<method> for a head_uniform method (it would be the homogeneous
+    route): the flag must match the scores, both ways."""
+    layer = captures[1]
+    assert layer.keys.shape[1] > 1  # GQA with several KV heads, or the check says nothing
+    with rotary_on_attention(tiny):
+        scores = get_method(name).score(layer, n_kept=layer.keys.shape[2] // 4)  # (B, H_kv, n)
+    alike = torch.equal(scores, scores[:, :1].expand_as(scores))
+    assert get_method(name).head_uniform == alike
+
+
 @pytest.mark.parametrize("n_kept", [3, 4, 10, 150])
 def test_streaming_llm_keeps_what_kvpress_keeps(captures, tiny, n_kept):
     layer = captures[0]

@@ -565,7 +565,26 @@ def test_controls_follow_each_family_splits_best_method(tmp_path, monkeypatch):
             pass
 
     S._Stages(config, tmp_path / "study", Single()).controls("agnostic")
-    assert ran == [["adakv:snapkv", "adakv:tova", "pyramid:snapkv", "pyramid:tova"]]
+    # tova scores every KV head alike (the last query's attention averaged over all query
+    # heads), so adakv:tova would be homogeneous tova: not benched
+    assert ran == [["adakv:snapkv", "pyramid:snapkv", "pyramid:tova"]]
+
+
+def test_adakv_over_a_method_that_scores_heads_alike_is_answered_by_its_homogeneous_route():
+    """adakv:tova is not benched (test above); the answers and study.md read homogeneous tova
+    in its place, labelled so, while adakv:snapkv is read from its own rows."""
+    config = load_config(S.StudyConfig, overrides=["variants={learned: {}}", "budgets=[0.1]"])
+    rows = []
+    for best, extra in (("homogeneous:tova", {}), ("homogeneous:snapkv", {"adakv:snapkv": [1, 1, 0, 0]})):
+        scores = {"full": [1, 1, 1, 1], best: [1, 0, 0, 0], "learned": [1, 1, 1, 0], **extra}
+        rows.append([{"sample_id": f"s{i}", "task": "niah_single_1", "route": route,
+                      "budget": None if route == "full" else 0.1, "score": float(x)}
+                     for route, xs in scores.items() for i, x in enumerate(xs)])
+    tova, snap = (S._answers(config, r, "learned", [0.1])["budgets"][0] for r in rows)
+    assert tova["adakv_best"] == "homogeneous:tova" and tova["q1_vs_adakv_best"]["diff"] == pytest.approx(0.5)
+    assert snap["adakv_best"] == "adakv:snapkv" and snap["q1_vs_adakv_best"]["diff"] == pytest.approx(0.25)
+    md = "\n".join(S._control_lines({"budgets": [tova]}, "learned"))
+    assert "| 0.1 | adakv:tova (= homogeneous:tova: every KV head scores alike) | 25.0 | +50.0" in md
 
 
 def test_routes_are_told_apart_by_what_they_are_not_by_their_suffix():

@@ -96,6 +96,7 @@ class TOVA(Method):
     """
 
     name = "tova"
+    head_uniform = True
 
     def min_context(self) -> int:
         return 2
@@ -195,6 +196,7 @@ class StreamingLLM(Method):
     """
 
     name = "streaming_llm"
+    head_uniform = True
     n_sink: int = 4
 
     def score(self, layer: LayerCapture, n_kept: int | None = None) -> torch.Tensor:
