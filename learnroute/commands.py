@@ -105,21 +105,29 @@ def report(argv: list[str]) -> int:
     parser.add_argument("--tasks", nargs="+", metavar="TASK",
                         help="with --paired: only these tasks' samples (a family split, say)")
     parser.add_argument(
+        "--pool", action="append", metavar="NAME=ROUTE,ROUTE",
+        help="with --paired: a route NAME whose score on a sample is the mean of these routes' (say one "
+        "recipe's training seeds), so that its intervals over samples read the recipe; usable as --paired "
+        "or in --against; repeatable",
+    )
+    parser.add_argument(
         "--main", metavar="VARIANT",
         help="a study folder: answer every question of this variant instead of the config's main_variant, "
         "written to study_<VARIANT>.md and .json (study.md is kept)",
     )
     args = parser.parse_args(argv)
     folder = Path(args.folder)
-    if (args.against or args.tasks) and not args.paired:
-        parser.error("--against and --tasks need --paired ROUTE")
+    if (args.against or args.tasks or args.pool) and not args.paired:
+        parser.error("--against, --tasks and --pool need --paired ROUTE")
     if args.paired:
-        from learnroute.report import paired_table
+        from learnroute.report import paired_table, parse_pools
 
         if args.bootstrap < 100:
             parser.error(f"--bootstrap must be >= 100, got {args.bootstrap}")
         try:
-            print(paired_table(folder, args.paired, args.against, args.bootstrap, args.rescore, args.tasks), end="")
+            pools = parse_pools(args.pool)
+            print(paired_table(folder, args.paired, args.against, args.bootstrap, args.rescore, args.tasks, pools),
+                  end="")
         except (FileNotFoundError, ValueError) as e:
             parser.exit(2, f"learnroute report: error: {e}\n")
         return 0

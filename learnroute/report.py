@@ -28,6 +28,46 @@ def find_route(rows: list[dict], name: str) -> str:
     return hits[0]
 
 
+def parse_pools(specs: list[str] | None) -> dict[str, list[str]]:
+    """``NAME=ROUTE,ROUTE[,...]`` strings (``report --pool``) as NAME -> member routes; every
+    malformed one is named in one error."""
+    pools: dict[str, list[str]] = {}
+    bad = []
+    for spec in specs or []:
+        name, sep, members = spec.partition("=")
+        parts = [m.strip() for m in members.split(",") if m.strip()]
+        if not sep or not name.strip() or len(parts) < 2 or len(set(parts)) < len(parts) or name.strip() in pools:
+            bad.append(spec)
+            continue
+        pools[name.strip()] = parts
+    if bad:
+        raise ValueError(
+            f"bad --pool {', '.join(repr(b) for b in bad)}: each is NAME=ROUTE,ROUTE[,...] with a new NAME and "
+            "two or more different routes (names or route file stems), e.g. split=split_ts0,split_ts1,split_ts2")
+    return pools
+
+
+def pool_scores(
+    rows: list[dict], scores: dict[tuple[str, str], dict[str, float]], pools: dict[str, list[str]]
+) -> dict[str, list[str]]:
+    """Add each pool to ``scores`` as a route of its own: per budget, over the samples every
+    member has, a sample's score is the mean of its members' scores (say the training seeds
+    of one recipe, so that a paired interval over samples reads the recipe, not one draw).
+    Returns NAME -> the members' route names in ``rows``."""
+    names = {r["route"] for r in rows} | {Path(r).stem for r in {r["route"] for r in rows} if r.endswith(".json")}
+    clash = sorted(set(pools) & names)
+    if clash:
+        raise ValueError(f"--pool names {', '.join(clash)} are routes of this folder already: pick other names")
+    resolved = {name: [find_route(rows, m) for m in members] for name, members in pools.items()}
+    for name, members in resolved.items():
+        for bk in {b for (r, b) in scores if r == members[0]}:
+            per = [scores.get((m, bk), {}) for m in members]
+            ids = set.intersection(*(set(p) for p in per))  # the samples every member has at this budget
+            if ids:
+                scores[(name, bk)] = {i: mean(p[i] for p in per) for i in ids}
+    return resolved
+
+
 def paired_table(
     folder: str | os.PathLike,
     route: str,
@@ -35,12 +75,15 @@ def paired_table(
     n_boot: int = 2000,
     rescore: bool = False,
     tasks: list[str] | None = None,
+    pools: dict[str, list[str]] | None = None,
 ) -> str:
     """``route`` minus each route of ``against`` (default: every other route) per budget,
     paired over the same samples of the tasks the full cache solves, with a bootstrap 95 %
     interval (markdown). All-or-nothing samples make one sample worth 100 / n points:
     differences whose interval holds 0 are ties. ``tasks``: only these tasks' samples (a
-    family split, say the out-of-family tasks alone)."""
+    family split, say the out-of-family tasks alone). ``pools``: NAME -> routes averaged
+    per sample into one route NAME (:func:`pool_scores`), usable as ``route`` or in
+    ``against``; a pool's rows give its members' own averages beside it (the spread)."""
     rows = load_rows(Path(folder), rescore=rescore)
     if tasks:
         present = {r["task"] for r in rows}
@@ -48,13 +91,20 @@ def paired_table(
         if unknown:
             raise ValueError(f"no samples of {', '.join(unknown)} in this folder; tasks: {', '.join(sorted(present))}")
         rows = [r for r in rows if r["task"] in tasks]
-    main = find_route(rows, route)
-    others = [find_route(rows, a) for a in against] if against else sorted({r["route"] for r in rows} - {main, "full"})
     _, valid = solved_tasks(rows)
     scores = sample_scores(rows, valid)
-    budgets = sorted({r["budget"] for r in rows if r["route"] == main}, key=_budget_order)
+    members = pool_scores(rows, scores, pools or {})
+
+    def pick(name: str) -> str:
+        return name if name in members else find_route(rows, name)
+
+    main = pick(route)
+    mine_members = set(members.get(main, []))
+    others = [pick(a) for a in against] if against else (
+        sorted({r["route"] for r in rows} - {main, "full"} - mine_members) + sorted(set(members) - {main}))
+    budgets = sorted({json.loads(b) for (r, b) in scores if r == main}, key=_budget_order)
     n_full = len(scores.get(("full", "null"), {}))
-    label = Path(main).stem if main.endswith(".json") else main
+    label = _stem(main)
     lines = [
         f"{label} minus each route, x100, paired over the samples of "
         f"{', '.join(sorted(valid))} (the full cache scores >= {100 * VALID_FULL:.0f}; full cache "
@@ -72,11 +122,24 @@ def paired_table(
             c = paired(mine, scores[(o, bk)], n_boot)
             if c["n"] == 0:
                 continue
-            name = Path(o).stem if o.endswith(".json") else o
+            name = _stem(o)
             ids = set(mine) & set(scores[(o, bk)])  # the paired samples: both scores over them
             lines.append(
                 f"| {_budget_label(b)} | {name} | {c['n']} | {100 * mean(scores[(o, bk)][i] for i in ids):.1f} | "
                 f"{100 * mean(mine[i] for i in ids):.1f} | "
                 f"{100 * c['diff']:+.1f} [{100 * c['lo']:+.1f}, {100 * c['hi']:+.1f}] | {c['verdict']} |"
             )
+    for name, routes in members.items():  # the spread over a pool's members, beside its intervals
+        lines += ["", f"Pool {name}: the mean per sample of {', '.join(_stem(r) for r in routes)}; "
+                  "each member's own average (its samples in the pool), and the range:"]
+        for b in budgets:
+            pooled = scores.get((name, json.dumps(b)), {})
+            if pooled:
+                own = [100 * mean(scores[(r, json.dumps(b))][i] for i in pooled) for r in routes]
+                lines.append(f"- {_budget_label(b)}: {' / '.join(f'{x:.1f}' for x in own)} "
+                             f"(pool {100 * mean(pooled.values()):.1f}, range {max(own) - min(own):.1f})")
     return "\n".join(lines) + "\n"
+
+
+def _stem(route: str) -> str:
+    return Path(route).stem if route.endswith(".json") else route

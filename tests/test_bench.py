@@ -365,6 +365,42 @@ def test_report_paired_differences_by_hand(tmp_path, capsys):
         main(["report", str(tmp_path), "--tasks", "a"])
 
 
+def test_report_pools_training_seeds_into_one_route_by_hand(tmp_path, capsys):
+    """`report --paired --pool`: a pool is a route whose score on a sample is its members'
+    mean, over the samples every member has (s1 lacks a/3); hand-computed, with each
+    member's own average over those samples and the range beside it."""
+    full = {"a/0": 1, "a/1": 1, "a/2": 1, "a/3": 1}
+    s0 = {"a/0": 1, "a/1": 1, "a/2": 0, "a/3": 0}
+    s1 = {"a/0": 1, "a/1": 0, "a/2": 0}
+    base = {"a/0": 0, "a/1": 0, "a/2": 0, "a/3": 0}
+    rows = [{"sample_id": sid, "task": "a", "route": route, "budget": None if route == "full" else 0.1,
+             "score": float(x), "prediction": ""}
+            for route, scores in (("full", full), ("r/s0.json", s0), ("r/s1.json", s1), ("B", base))
+            for sid, x in scores.items()]
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["report", str(tmp_path), "--paired", "seeds", "--pool", "seeds=s0,s1", "--bootstrap", "500"]) == 0
+    out = capsys.readouterr().out
+    # pooled a/0-a/2: 1, 0.5, 0 -> 50.0; against B (0, 0, 0) +50.0 over 3 samples
+    assert "| 0.1 | B | 3 | 0.0 | 50.0 | +50.0 [" in out
+    assert "| s0 |" not in out and "| s1 |" not in out  # by default not against its own members
+    assert "- 0.1: 66.7 / 33.3 (pool 50.0, range 33.3)" in out
+    # the pool as a reference: s0 minus the pool, over the pool's samples
+    assert main(["report", str(tmp_path), "--paired", "s0", "--pool", "seeds=s0,s1", "--against", "seeds",
+                 "--bootstrap", "500"]) == 0
+    assert "| 0.1 | seeds | 3 | 50.0 | 66.7 | +16.7 [" in capsys.readouterr().out  # s0 on a/0-a/2: 1, 1, 0
+    for argv, msg in (
+        (["--pool", "s0=s0,s1"], "--pool names s0 are routes of this folder already"),
+        (["--pool", "seeds=s0", "--pool", "x"], "bad --pool 'seeds=s0', 'x': each is NAME=ROUTE,ROUTE[,...]"),
+        (["--pool", "seeds=s0,zz"], "no route called 'zz' in this folder"),
+    ):
+        with pytest.raises(SystemExit):
+            main(["report", str(tmp_path), "--paired", "B", *argv])
+        assert msg in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["report", str(tmp_path), "--pool", "seeds=s0,s1"])
+    assert "--pool need --paired" in capsys.readouterr().err
+
+
 def test_stop_at_final_score_shortens_answers_and_resumes_any_setting(run, tiny_dir, tmp_path, monkeypatch):
     """The bench hands score_is_final to the engine: answers end where it first holds (a
     prefix of the full answer); the option may change when a run resumes."""
