@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from statistics import mean
 
-from learnroute.stats import VALID_FULL, paired, sample_scores, solved_tasks
+from learnroute.stats import VALID_FULL, paired, pooled, sample_scores, solved_tasks
 from learnroute.summary import _budget_label, _budget_order, load_rows
 
 
@@ -61,10 +61,9 @@ def pool_scores(
     resolved = {name: [find_route(rows, m) for m in members] for name, members in pools.items()}
     for name, members in resolved.items():
         for bk in {b for (r, b) in scores if r == members[0]}:
-            per = [scores.get((m, bk), {}) for m in members]
-            ids = set.intersection(*(set(p) for p in per))  # the samples every member has at this budget
-            if ids:
-                scores[(name, bk)] = {i: mean(p[i] for p in per) for i in ids}
+            pool = pooled([scores.get((m, bk), {}) for m in members])
+            if pool:
+                scores[(name, bk)] = pool
     return resolved
 
 

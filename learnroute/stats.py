@@ -28,6 +28,14 @@ def paired(a: dict[str, float], b: dict[str, float], n_boot: int, seed: int = 0)
     return {"n": len(d), "diff": mean(d), "lo": lo, "hi": hi, "verdict": verdict}
 
 
+def pooled(members: list[dict[str, float]]) -> dict[str, float]:
+    """Sample id -> the mean of the members' scores, over the samples every member has: one
+    route standing for several (say a recipe's training seeds), so that a paired interval
+    over samples reads the recipe rather than one draw of it."""
+    ids = set.intersection(*(set(m) for m in members)) if members else set()
+    return {i: mean(m[i] for m in members) for i in ids}
+
+
 def solved_tasks(rows: list[dict]) -> tuple[dict[str, float], set[str]]:
     """The full cache's mean score per task, and the tasks it solves (>= ``VALID_FULL``):
     those the averages use. If none qualifies (e.g. a tiny random model), every task."""

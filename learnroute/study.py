@@ -32,7 +32,7 @@ from learnroute.gates.config import CANDIDATES, TrainConfig
 from learnroute.methods import get_method
 from learnroute.route import Route, budget_problem
 from learnroute.runs import atomic_write, device_problem
-from learnroute.stats import VALID_FULL, best_homogeneous, paired, sample_scores, solved_tasks
+from learnroute.stats import VALID_FULL, best_homogeneous, paired, pooled, sample_scores, solved_tasks
 from learnroute.tasks.suite import check_tasks
 
 Budget = int | float
@@ -709,10 +709,15 @@ def _answers(config: StudyConfig, rows: list[dict], main: str, budgets: list[Bud
                 }
                 # every seed against the main's references; the seeds share its start
                 # (train_seed changes the optimisation, not the initialisation)
+                # and the seeds pooled (a sample's score: the mean over seeds), so that the
+                # recipe, not one draw, is paired with intervals over samples
+                pool = pooled([scores[(r, bk)] for r in seeded])
+                entry["seeds"]["pooled"] = {"avg": mean(pool.values()) if pool else None, "n": len(pool)}
                 for key, ref in (("q1", best_h), ("q2", "profile_alloc"), ("q8", f"{main}{START}")):
                     if (ref, bk) in scores:
                         entry["seeds"][key] = {r: paired(scores[(r, bk)], scores[(ref, bk)], config.bootstrap)
                                                for r in seeded}
+                        entry["seeds"]["pooled"][key] = paired(pool, scores[(ref, bk)], config.bootstrap)
             entry["best_homogeneous_rel_full"] = h / f if f else None
         # Q9: each per-head learned route minus the main route and the head-level allocator
         # adakv:<best homogeneous method>. When the main route is itself per-head there is no
@@ -1033,7 +1038,8 @@ def to_markdown(result: dict[str, Any], main: str) -> str:
 
 def _seed_lines(res: dict[str, Any], main: str, where: str = "") -> list[str]:
     """The main variant's training seeds (markdown lines): each seed's average and its
-    questions 1, 2 and 8, and the spread over seeds; none for a study without seeds."""
+    questions 1, 2 and 8, the spread over seeds, and the seeds pooled (a sample's score the
+    mean over seeds) with the same questions; none for a study without seeds."""
     if not any(e.get("seeds") for e in res["budgets"]):
         return []
     lines = ["", f"Training seeds of `{main}`{where} (the same samples and split; each seed's average, its "
@@ -1049,6 +1055,10 @@ def _seed_lines(res: dict[str, Any], main: str, where: str = "") -> list[str]:
                          f"{_ci(sd.get('q2', {}).get(r))} | {_ci(sd.get('q8', {}).get(r))} |")
         lines.append(f"| {e['budget']} | spread | {100 * sd['min']:.1f}-{100 * sd['max']:.1f} "
                      f"(sd {100 * sd['sd']:.1f}) | | | |")
+        pool = sd.get("pooled")  # absent in a study.json written before pooling
+        if pool and pool["avg"] is not None:
+            lines.append(f"| {e['budget']} | **seeds pooled** | {100 * pool['avg']:.1f} | {_ci(pool.get('q1'))} | "
+                         f"{_ci(pool.get('q2'))} | {_ci(pool.get('q8'))} |")
     return lines
 
 

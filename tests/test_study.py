@@ -625,8 +625,15 @@ def test_every_training_seed_is_answered_against_the_main_routes_start_and_the_p
     assert sd["q8"]["learned_warm_seed2"]["diff"] == pytest.approx(0.0 - 0.25)
     assert sd["q2"]["learned_warm_seed1"]["diff"] == pytest.approx(0.5 - 0.25)
     assert (sd["min"], sd["max"]) == (0.0, 0.75)
+    # pooled: a sample's score is the mean over the three seeds, 2/3, 2/3, 1/3, 0; paired
+    # with the start (0, 0, 0, 1) it is the mean of the seeds' own differences, (0.5 + 0.25 - 0.25) / 3
+    pool = sd["pooled"]
+    assert pool["avg"] == pytest.approx(5 / 12) and pool["n"] == 4
+    assert pool["q8"]["diff"] == pytest.approx(1 / 6)
+    assert pool["q2"]["diff"] == pytest.approx((-1 / 3 + 2 / 3 + 1 / 3 + 0) / 4)  # profile_alloc 1, 0, 0, 0
     res = {"budgets": [{"budget": 0.1, "seeds": sd}]}
     table = "\n".join(S._seed_lines(res, "learned_warm", " in-family (4 samples)"))
     assert "Training seeds of `learned_warm` in-family (4 samples)" in table
     assert "| 0.1 | learned_warm_seed1 | 50.0 | +25.0 [" in table  # Q1 vs homogeneous:snapkv (0.25)
+    assert "| 0.1 | **seeds pooled** | 41.7 | +16.7 [" in table
     assert S._seed_lines({"budgets": [{"budget": 0.1}]}, "learned_warm") == []
