@@ -132,11 +132,11 @@ def paired_table(
         lines += ["", f"Pool {name}: the mean per sample of {', '.join(_stem(r) for r in routes)}; "
                   "each member's own average (its samples in the pool), and the range:"]
         for b in budgets:
-            pooled = scores.get((name, json.dumps(b)), {})
-            if pooled:
-                own = [100 * mean(scores[(r, json.dumps(b))][i] for i in pooled) for r in routes]
+            pool = scores.get((name, json.dumps(b)), {})
+            if pool:
+                own = [100 * mean(scores[(r, json.dumps(b))][i] for i in pool) for r in routes]
                 lines.append(f"- {_budget_label(b)}: {' / '.join(f'{x:.1f}' for x in own)} "
-                             f"(pool {100 * mean(pooled.values()):.1f}, range {max(own) - min(own):.1f})")
+                             f"(pool {100 * mean(pool.values()):.1f}, range {max(own) - min(own):.1f})")
     return "\n".join(lines) + "\n"
 
 
