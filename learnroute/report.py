@@ -82,7 +82,7 @@ def paired_table(
     differences whose interval holds 0 are ties. ``tasks``: only these tasks' samples (a
     family split, say the out-of-family tasks alone). ``pools``: NAME -> routes averaged
     per sample into one route NAME (:func:`pool_scores`), usable as ``route`` or in
-    ``against``; a pool's rows give its members' own averages beside it (the spread)."""
+    ``against``; the table ends with each pool's members' own averages (the spread)."""
     rows = load_rows(Path(folder), rescore=rescore)
     if tasks:
         present = {r["task"] for r in rows}
@@ -129,6 +129,8 @@ def paired_table(
                 f"{100 * c['diff']:+.1f} [{100 * c['lo']:+.1f}, {100 * c['hi']:+.1f}] | {c['verdict']} |"
             )
     for name, routes in members.items():  # the spread over a pool's members, beside its intervals
+        if name != main and name not in others:
+            continue
         lines += ["", f"Pool {name}: the mean per sample of {', '.join(_stem(r) for r in routes)}; "
                   "each member's own average (its samples in the pool), and the range:"]
         for b in budgets:

@@ -387,7 +387,13 @@ def test_report_pools_training_seeds_into_one_route_by_hand(tmp_path, capsys):
     # the pool as a reference: s0 minus the pool, over the pool's samples
     assert main(["report", str(tmp_path), "--paired", "s0", "--pool", "seeds=s0,s1", "--against", "seeds",
                  "--bootstrap", "500"]) == 0
-    assert "| 0.1 | seeds | 3 | 50.0 | 66.7 | +16.7 [" in capsys.readouterr().out  # s0 on a/0-a/2: 1, 1, 0
+    out = capsys.readouterr().out
+    assert "| 0.1 | seeds | 3 | 50.0 | 66.7 | +16.7 [" in out  # s0 on a/0-a/2: 1, 1, 0
+    assert "Pool seeds:" in out
+    # a pool the table does not use prints no spread
+    assert main(["report", str(tmp_path), "--paired", "s0", "--pool", "seeds=s0,s1", "--against", "B",
+                 "--bootstrap", "500"]) == 0
+    assert "Pool seeds" not in capsys.readouterr().out
     for argv, msg in (
         (["--pool", "s0=s0,s1"], "--pool names s0 are routes of this folder already"),
         (["--pool", "seeds=s0", "--pool", "x"], "bad --pool 'seeds=s0', 'x': each is NAME=ROUTE,ROUTE[,...]"),
