@@ -54,8 +54,8 @@ def pool_scores(
     member has, a sample's score is the mean of its members' scores (say the training seeds
     of one recipe, so that a paired interval over samples reads the recipe, not one draw).
     Returns NAME -> the members' route names in ``rows``."""
-    names = {r["route"] for r in rows} | {Path(r).stem for r in {r["route"] for r in rows} if r.endswith(".json")}
-    clash = sorted(set(pools) & names)
+    routes = {r["route"] for r in rows}
+    clash = sorted(set(pools) & (routes | {_stem(r) for r in routes}))  # names find_route would resolve
     if clash:
         raise ValueError(f"--pool names {', '.join(clash)} are routes of this folder already: pick other names")
     resolved = {name: [find_route(rows, m) for m in members] for name, members in pools.items()}
@@ -134,9 +134,10 @@ def paired_table(
         lines += ["", f"Pool {name}: the mean per sample of {', '.join(_stem(r) for r in routes)}; "
                   "each member's own average (its samples in the pool), and the range:"]
         for b in budgets:
-            pool = scores.get((name, json.dumps(b)), {})
+            bk = json.dumps(b)
+            pool = scores.get((name, bk), {})
             if pool:
-                own = [100 * mean(scores[(r, json.dumps(b))][i] for i in pool) for r in routes]
+                own = [100 * mean(scores[(r, bk)][i] for i in pool) for r in routes]
                 lines.append(f"- {_budget_label(b)}: {' / '.join(f'{x:.1f}' for x in own)} "
                              f"(pool {100 * mean(pool.values()):.1f}, range {max(own) - min(own):.1f})")
     return "\n".join(lines) + "\n"
