@@ -93,7 +93,10 @@ def report(argv: list[str]) -> int:
     from learnroute.summary import summarize
 
     parser = argparse.ArgumentParser(prog="learnroute report", description=report.__doc__)
-    parser.add_argument("folder", help="bench run folder or study folder")
+    parser.add_argument(
+        "folder", nargs="+",
+        help="bench run folder or study folder; with --paired, several bench folders are joined into one "
+        "report (say one bench per family split), if they share the settings that change a score and no cell")
     parser.add_argument("--rescore", action="store_true", help="recompute scores from samples.jsonl")
     parser.add_argument(
         "--paired", metavar="ROUTE",
@@ -116,9 +119,12 @@ def report(argv: list[str]) -> int:
         "written to study_<VARIANT>.md and .json (study.md is kept)",
     )
     args = parser.parse_args(argv)
-    folder = Path(args.folder)
     if (args.against or args.tasks or args.pool) and not args.paired:
         parser.error("--against, --tasks and --pool need --paired ROUTE")
+    if len(args.folder) > 1 and not args.paired:
+        parser.error(f"{len(args.folder)} folders need --paired ROUTE (a summary or a study is rewritten one "
+                     "folder at a time)")
+    folder = Path(args.folder[0])
     if args.paired:
         from learnroute.report import paired_table, parse_pools
 
@@ -126,7 +132,8 @@ def report(argv: list[str]) -> int:
             parser.error(f"--bootstrap must be >= 100, got {args.bootstrap}")
         try:
             pools = parse_pools(args.pool)
-            print(paired_table(folder, args.paired, args.against, args.bootstrap, args.rescore, args.tasks, pools),
+            print(paired_table(args.folder, args.paired, args.against, args.bootstrap, args.rescore, args.tasks,
+                               pools),
                   end="")
         except (FileNotFoundError, ValueError) as e:
             parser.exit(2, f"learnroute report: error: {e}\n")

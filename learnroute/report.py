@@ -14,8 +14,48 @@ import os
 from pathlib import Path
 from statistics import mean
 
+import yaml
+
+from learnroute.runs import result_key
 from learnroute.stats import VALID_FULL, paired, pooled, sample_scores, solved_tasks
 from learnroute.summary import _budget_label, _budget_order, load_rows
+
+# Bench settings that change what a cell scores: folders joined into one paired report must
+# agree on each (the samples, the routes and the budgets may differ).
+JOIN_SETTINGS = ("model", "context_tokens", "query_aware", "max_new_tokens", "route_file_budgets")
+
+
+def load_folders(folders: list[str | os.PathLike], rescore: bool = False) -> list[dict]:
+    """Result rows of one bench folder, or of several joined into one (say one bench per
+    family split, so that a paired report reads all of their samples together). Joined
+    folders must agree on :data:`JOIN_SETTINGS` and hold no cell twice; every mismatch and
+    the first repeated cell are named in one error, raised before any row is scored."""
+    folders = [Path(f) for f in folders]
+    if len(folders) == 1:
+        return load_rows(folders[0], rescore=rescore)
+    if len(set(folders)) < len(folders):
+        raise ValueError(f"a folder is given twice: {', '.join(map(str, folders))}")
+    configs = {f: yaml.safe_load((f / "config.yaml").read_text()) or {}
+               for f in folders if (f / "config.yaml").is_file()}
+    problems = []
+    for key in JOIN_SETTINGS:
+        values = {f: c.get(key) for f, c in configs.items()}
+        if len({json.dumps(v) for v in values.values()}) > 1:
+            problems.append(f"{key} differs ({'; '.join(f'{v!r} in {f}' for f, v in values.items())})")
+    rows: list[dict] = []
+    seen: dict[tuple, Path] = {}
+    for f in folders:
+        for r in load_rows(f, rescore=rescore):
+            key = result_key(r)
+            if key in seen:
+                problems.append(f"{f} and {seen[key]} both hold sample {key[0]}, route {key[1]}, budget {key[2]}")
+                break
+            seen[key] = f
+            rows.append(r)
+    if problems:
+        raise ValueError("cannot join these bench folders into one report: " + "; ".join(problems)
+                         + " (joined folders share the settings that change a score, and no cell)")
+    return rows
 
 
 def find_route(rows: list[dict], name: str) -> str:
@@ -24,7 +64,7 @@ def find_route(rows: list[dict], name: str) -> str:
     hits = [r for r in routes if r == name] or [r for r in routes if r.endswith(".json") and Path(r).stem == name]
     if len(hits) != 1:
         what = "no route" if not hits else f"{len(hits)} routes"
-        raise ValueError(f"{what} called {name!r} in this folder; routes: {', '.join(routes)}")
+        raise ValueError(f"{what} called {name!r} in the results; routes: {', '.join(routes)}")
     return hits[0]
 
 
@@ -57,7 +97,7 @@ def pool_scores(
     routes = {r["route"] for r in rows}
     clash = sorted(set(pools) & (routes | {_stem(r) for r in routes}))  # names find_route would resolve
     if clash:
-        raise ValueError(f"--pool names {', '.join(clash)} are routes of this folder already: pick other names")
+        raise ValueError(f"--pool names {', '.join(clash)} are routes in the results already: pick other names")
     resolved = {name: [find_route(rows, m) for m in members] for name, members in pools.items()}
     for name, members in resolved.items():
         for bk in {b for (r, b) in scores if r == members[0]}:
@@ -68,7 +108,7 @@ def pool_scores(
 
 
 def paired_table(
-    folder: str | os.PathLike,
+    folder: str | os.PathLike | list[str | os.PathLike],
     route: str,
     against: list[str] | None = None,
     n_boot: int = 2000,
@@ -82,13 +122,14 @@ def paired_table(
     differences whose interval holds 0 are ties. ``tasks``: only these tasks' samples (a
     family split, say the out-of-family tasks alone). ``pools``: NAME -> routes averaged
     per sample into one route NAME (:func:`pool_scores`), usable as ``route`` or in
-    ``against``; the table ends with each pool's members' own averages (the spread)."""
-    rows = load_rows(Path(folder), rescore=rescore)
+    ``against``; the table ends with each pool's members' own averages (the spread).
+    ``folder``: one bench folder, or a list of them joined (:func:`load_folders`)."""
+    rows = load_folders(folder if isinstance(folder, list) else [folder], rescore=rescore)
     if tasks:
         present = {r["task"] for r in rows}
         unknown = sorted(set(tasks) - present)
         if unknown:
-            raise ValueError(f"no samples of {', '.join(unknown)} in this folder; tasks: {', '.join(sorted(present))}")
+            raise ValueError(f"no samples of {', '.join(unknown)} in the results; tasks: {', '.join(sorted(present))}")
         rows = [r for r in rows if r["task"] in tasks]
     _, valid = solved_tasks(rows)
     scores = sample_scores(rows, valid)

@@ -360,7 +360,7 @@ def test_report_paired_differences_by_hand(tmp_path, capsys):
     assert "| 0.1 | B | 2 | 0.0 | 100.0 | +100.0 [+100.0, +100.0] | win |" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["report", str(tmp_path), "--paired", "mine", "--tasks", "a", "zz"])
-    assert "no samples of zz in this folder; tasks: a, b" in capsys.readouterr().err
+    assert "no samples of zz in the results; tasks: a, b" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["report", str(tmp_path), "--tasks", "a"])
 
@@ -395,9 +395,9 @@ def test_report_pools_training_seeds_into_one_route_by_hand(tmp_path, capsys):
                  "--bootstrap", "500"]) == 0
     assert "Pool seeds" not in capsys.readouterr().out
     for argv, msg in (
-        (["--pool", "s0=s0,s1"], "--pool names s0 are routes of this folder already"),
+        (["--pool", "s0=s0,s1"], "--pool names s0 are routes in the results already"),
         (["--pool", "seeds=s0", "--pool", "x"], "bad --pool 'seeds=s0', 'x': each is NAME=ROUTE,ROUTE[,...]"),
-        (["--pool", "seeds=s0,zz"], "no route called 'zz' in this folder"),
+        (["--pool", "seeds=s0,zz"], "no route called 'zz' in the results"),
     ):
         with pytest.raises(SystemExit):
             main(["report", str(tmp_path), "--paired", "B", *argv])
@@ -405,6 +405,44 @@ def test_report_pools_training_seeds_into_one_route_by_hand(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["report", str(tmp_path), "--pool", "seeds=s0,s1"])
     assert "--pool need --paired" in capsys.readouterr().err
+
+
+def test_report_joins_bench_folders_of_one_setting_by_hand(tmp_path, capsys):
+    """`report A B --paired`: two bench folders (one per family split) read as one set of
+    samples, hand-computed; folders whose settings change a score, or that hold a cell twice,
+    are refused with every reason named."""
+
+    def folder(name, scores, context=1024):
+        out = tmp_path / name
+        out.mkdir()
+        rows = [{"sample_id": sid, "task": sid[0], "route": route, "budget": None if route == "full" else 0.1,
+                 "score": float(x), "prediction": ""} for route, by_id in scores.items() for sid, x in by_id.items()]
+        (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (out / "config.yaml").write_text(f"model: null\ncontext_tokens: {context}\nquery_aware: false\n")
+        return str(out)
+
+    a = folder("in", {"full": {"a/0": 1, "a/1": 1, "a/2": 1}, "mine": {"a/0": 1, "a/1": 1, "a/2": 0},
+                      "B": {"a/0": 0, "a/1": 0, "a/2": 0}})
+    b = folder("out", {"full": {"b/0": 1, "b/1": 1}, "mine": {"b/0": 1, "b/1": 1}, "B": {"b/0": 1, "b/1": 0}})
+    assert main(["report", a, b, "--paired", "mine", "--bootstrap", "500"]) == 0
+    out = capsys.readouterr().out
+    # five samples: mine 1, 1, 0, 1, 1 (80.0) against B 0, 0, 0, 1, 0 (20.0)
+    assert "paired over the samples of a, b " in out and "full cache 100.0 on 5" in out
+    assert "| 0.1 | B | 5 | 20.0 | 80.0 | +60.0 [" in out
+    assert main(["report", a, b, "--paired", "mine", "--tasks", "b", "--bootstrap", "500"]) == 0
+    assert "| 0.1 | B | 2 | 50.0 | 100.0 | +50.0 [" in capsys.readouterr().out
+    longer = folder("long", {"full": {"c/0": 1}, "mine": {"c/0": 1}}, context=4096)
+    for folders, msg in (
+        ([a, longer], f"context_tokens differs (1024 in {a}; 4096 in {longer})"),
+        ([a, a], "a folder is given twice"),
+        ([a, b, folder("again", {"mine": {"a/2": 1}})], "both hold sample a/2, route mine, budget 0.1"),
+    ):
+        with pytest.raises(SystemExit):
+            main(["report", *folders, "--paired", "mine"])
+        assert msg in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["report", a, b])
+    assert "2 folders need --paired ROUTE" in capsys.readouterr().err
 
 
 def test_stop_at_final_score_shortens_answers_and_resumes_any_setting(run, tiny_dir, tmp_path, monkeypatch):
