@@ -28,8 +28,9 @@ JOIN_SETTINGS = ("model", "context_tokens", "query_aware", "max_new_tokens", "ro
 def load_folders(folders: list[str | os.PathLike], rescore: bool = False) -> list[dict]:
     """Result rows of one bench folder, or of several joined into one (say one bench per
     family split, so that a paired report reads all of their samples together). Joined
-    folders must agree on :data:`JOIN_SETTINGS` and hold no cell twice; every mismatch and
-    the first repeated cell are named in one error, raised before any row is scored."""
+    folders must agree on :data:`JOIN_SETTINGS` (read from each folder's ``config.yaml``; a
+    folder without one is not compared) and hold no cell twice; every mismatch and the
+    first repeated cell are named in one error."""
     folders = [Path(f) for f in folders]
     if len(folders) == 1:
         return load_rows(folders[0], rescore=rescore)
