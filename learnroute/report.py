@@ -16,6 +16,7 @@ from statistics import mean
 
 import yaml
 
+from learnroute.config import to_dict
 from learnroute.runs import result_key
 from learnroute.stats import VALID_FULL, paired, pooled, sample_scores, solved_tasks
 from learnroute.summary import _budget_label, _budget_order, load_rows
@@ -28,15 +29,19 @@ JOIN_SETTINGS = ("model", "context_tokens", "query_aware", "max_new_tokens", "ro
 def load_folders(folders: list[str | os.PathLike], rescore: bool = False) -> list[dict]:
     """Result rows of one bench folder, or of several joined into one (say one bench per
     family split, so that a paired report reads all of their samples together). Joined
-    folders must agree on :data:`JOIN_SETTINGS` (read from each folder's ``config.yaml``; a
-    folder without one is not compared) and hold no cell twice; every mismatch and the
+    folders must agree on :data:`JOIN_SETTINGS` (read from each folder's ``config.yaml``, a
+    missing key at the bench's default; a folder without one is not compared) and hold no cell twice; every mismatch and the
     first repeated cell are named in one error."""
     folders = [Path(f) for f in folders]
     if len(folders) == 1:
         return load_rows(folders[0], rescore=rescore)
     if len(set(folders)) < len(folders):
         raise ValueError(f"a folder is given twice: {', '.join(map(str, folders))}")
-    configs = {f: yaml.safe_load((f / "config.yaml").read_text()) or {}
+    from learnroute.bench import BenchConfig  # only when joining: it loads the method registry
+
+    # A key an older folder's config.yaml lacks (a field added since) ran at its default.
+    defaults = to_dict(BenchConfig())
+    configs = {f: {**defaults, **(yaml.safe_load((f / "config.yaml").read_text()) or {})}
                for f in folders if (f / "config.yaml").is_file()}
     problems = []
     for key in JOIN_SETTINGS:

@@ -412,18 +412,20 @@ def test_report_joins_bench_folders_of_one_setting_by_hand(tmp_path, capsys):
     samples, hand-computed; folders whose settings change a score, or that hold a cell twice,
     are refused with every reason named."""
 
-    def folder(name, scores, context=1024):
+    def folder(name, scores, context=1024, extra=""):
         out = tmp_path / name
         out.mkdir()
         rows = [{"sample_id": sid, "task": sid[0], "route": route, "budget": None if route == "full" else 0.1,
                  "score": float(x), "prediction": ""} for route, by_id in scores.items() for sid, x in by_id.items()]
         (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        (out / "config.yaml").write_text(f"model: null\ncontext_tokens: {context}\nquery_aware: false\n")
+        (out / "config.yaml").write_text(f"model: null\ncontext_tokens: {context}\nquery_aware: false\n{extra}")
         return str(out)
 
     a = folder("in", {"full": {"a/0": 1, "a/1": 1, "a/2": 1}, "mine": {"a/0": 1, "a/1": 1, "a/2": 0},
                       "B": {"a/0": 0, "a/1": 0, "a/2": 0}})
-    b = folder("out", {"full": {"b/0": 1, "b/1": 1}, "mine": {"b/0": 1, "b/1": 1}, "B": {"b/0": 1, "b/1": 0}})
+    # a key one config.yaml lacks (a field added since) counts at the bench's default
+    b = folder("out", {"full": {"b/0": 1, "b/1": 1}, "mine": {"b/0": 1, "b/1": 1}, "B": {"b/0": 1, "b/1": 0}},
+               extra="route_file_budgets: scale\n")
     assert main(["report", a, b, "--paired", "mine", "--bootstrap", "500"]) == 0
     out = capsys.readouterr().out
     # five samples: mine 1, 1, 0, 1, 1 (80.0) against B 0, 0, 0, 1, 0 (20.0)
