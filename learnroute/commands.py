@@ -101,7 +101,7 @@ def report(argv: list[str]) -> int:
     parser.add_argument(
         "--paired", metavar="ROUTE",
         help="print ROUTE minus other routes per budget, paired over samples, with bootstrap 95 %% intervals "
-        "(a route name or a route file's stem)",
+        "(a route name or a route file's stem; 'full', the full cache, pairs at every budget)",
     )
     parser.add_argument("--against", nargs="+", metavar="ROUTE", help="with --paired: only these routes")
     parser.add_argument("--bootstrap", type=int, default=2000, help="with --paired: bootstrap resamples")

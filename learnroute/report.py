@@ -129,7 +129,10 @@ def paired_table(
     family split, say the out-of-family tasks alone). ``pools``: NAME -> routes averaged
     per sample into one route NAME (:func:`pool_scores`), usable as ``route`` or in
     ``against``; the table ends with each pool's members' own averages (the spread).
-    ``folder``: one bench folder, or a list of them joined (:func:`load_folders`)."""
+    The full cache has no budget: as ``route`` (or in ``against``) it is paired with the
+    other routes at every budget, which reads how far a route is from the ceiling, and so
+    whether a win over it is possible at all. ``folder``: one bench folder, or a list of
+    them joined (:func:`load_folders`)."""
     rows = load_folders(folder if isinstance(folder, list) else [folder], rescore=rescore)
     if tasks:
         present = {r["task"] for r in rows}
@@ -144,11 +147,17 @@ def paired_table(
     def pick(name: str) -> str:
         return name if name in members else find_route(rows, name)
 
+    def at(name: str, bk: str) -> dict[str, float]:
+        """A route's sample scores at one budget (JSON key); the full cache's at every budget."""
+        return scores.get((name, "null" if name == "full" else bk), {})
+
     main = pick(route)
     mine_members = set(members.get(main, []))
     others = [pick(a) for a in against] if against else (
         sorted({r["route"] for r in rows} - {main, "full"} - mine_members) + sorted(set(members) - {main}))
-    budgets = sorted({json.loads(b) for (r, b) in scores if r == main}, key=_budget_order)
+    # the full cache (budget null) is paired at the budgets of the routes it is compared with
+    budgets = sorted({json.loads(b) for (r, b) in scores if b != "null" and (r == main or main == "full" and r in others)},
+                     key=_budget_order)
     n_full = len(scores.get(("full", "null"), {}))
     label = _stem(main)
     lines = [
@@ -161,17 +170,18 @@ def paired_table(
     ]
     for b in budgets:
         bk = json.dumps(b)
-        mine = scores.get((main, bk), {})
+        mine = at(main, bk)
         for o in others:
-            if (o, bk) not in scores or not mine:
+            theirs = at(o, bk)
+            if not theirs or not mine:
                 continue
-            c = paired(mine, scores[(o, bk)], n_boot)
+            c = paired(mine, theirs, n_boot)
             if c["n"] == 0:
                 continue
             name = _stem(o)
-            ids = set(mine) & set(scores[(o, bk)])  # the paired samples: both scores over them
+            ids = set(mine) & set(theirs)  # the paired samples: both scores over them
             lines.append(
-                f"| {_budget_label(b)} | {name} | {c['n']} | {100 * mean(scores[(o, bk)][i] for i in ids):.1f} | "
+                f"| {_budget_label(b)} | {name} | {c['n']} | {100 * mean(theirs[i] for i in ids):.1f} | "
                 f"{100 * mean(mine[i] for i in ids):.1f} | "
                 f"{100 * c['diff']:+.1f} [{100 * c['lo']:+.1f}, {100 * c['hi']:+.1f}] | {c['verdict']} |"
             )
