@@ -719,6 +719,15 @@ def _answers(config: StudyConfig, rows: list[dict], main: str, budgets: list[Bud
                                                for r in seeded}
                         entry["seeds"]["pooled"][key] = paired(pool, scores[(ref, bk)], config.bootstrap)
             entry["best_homogeneous_rel_full"] = h / f if f else None
+        # The ceiling: the full cache minus each reference of Q1 and Q2. Where the full cache
+        # itself does not beat a reference, a route beats it only by answering what the full
+        # cache gets wrong, so a tie there says little about the route (docs/results.md §0.15).
+        if full:
+            entry["headroom"] = {
+                ref: paired(full, scores[(name, bk)], config.bootstrap)
+                for ref, name in (("best_homogeneous", best_h), ("profile_alloc", "profile_alloc"))
+                if name and (name, bk) in scores
+            }
         # Q9: each per-head learned route minus the main route and the head-level allocator
         # adakv:<best homogeneous method>. When the main route is itself per-head there is no
         # per-layer main to beat (vs_main is None for it): Q6 reads the per-layer variants
@@ -900,10 +909,25 @@ def plot_routes(learned: Route, profile: Route, path: Path) -> None:
     plt.close(fig)
 
 
-def _ci(c: dict | None) -> str:
+def _ci(c: dict | None, room: dict | None = None) -> str:
+    """A paired difference with its interval and verdict; marked ``(ceiling)`` when ``room``
+    (the full cache minus the same reference) is not a win: no room to beat it there."""
     if not c or c.get("diff") is None:
         return "n/a"
-    return f"{100 * c['diff']:+.1f} [{100 * c['lo']:+.1f}, {100 * c['hi']:+.1f}] {c['verdict']}"
+    mark = " (ceiling)" if room and room.get("verdict") in ("tie", "loss") else ""
+    return f"{100 * c['diff']:+.1f} [{100 * c['lo']:+.1f}, {100 * c['hi']:+.1f}] {c['verdict']}{mark}"
+
+
+def _q12(e: dict[str, Any]) -> tuple[str, str]:
+    """Q1 (main minus the best homogeneous route) and Q2 (minus profile_alloc) of one budget's
+    answers, each marked where the full cache itself does not beat that reference."""
+    room = e.get("headroom") or {}  # absent in a study.json written before it
+    return (_ci(e.get("q1_vs_best_homogeneous"), room.get("best_homogeneous")),
+            _ci(e.get("q2_vs_profile_alloc"), room.get("profile_alloc")))
+
+
+CEILING_NOTE = ("'(ceiling)': the full cache itself does not beat that reference at that budget (paired), so "
+                "a route beats it only by answering what the full cache gets wrong.")
 
 
 def _control_lines(res: dict[str, Any], main: str, where: str = "") -> list[str]:
@@ -960,7 +984,7 @@ def to_markdown(result: dict[str, Any], main: str) -> str:
             f"{res['n_eval_samples']} eval samples on the tasks the full cache solves (>= {100 * VALID_FULL:.0f}): "
             f"{', '.join(res['valid_tasks'])}; left out: {', '.join(res['left_out_tasks']) or 'none'}. "
             "Differences are paired over the same samples, with a bootstrap 95 % interval; "
-            "'tie' when it holds 0. "
+            f"'tie' when it holds 0. {CEILING_NOTE} "
             + (
                 "The profile routes are the profile's own at each budget."
                 if result["config"].get("profile_all_budgets")
@@ -981,8 +1005,8 @@ def to_markdown(result: dict[str, Any], main: str) -> str:
             gap = e.get("q5_gap_recovered")
             lines.append(
                 f"| {e['budget']} | {100 * e['full']:.1f} | {fmt(e['best_homogeneous'])} ({e['best_homogeneous']}) | "
-                f"{fmt('profile')} | {fmt('profile_alloc')} | {fmt(main)} | {_ci(e.get('q1_vs_best_homogeneous'))} | "
-                f"{_ci(e.get('q2_vs_profile'))} | {_ci(e.get('q2_vs_profile_alloc'))} | "
+                f"{fmt('profile')} | {fmt('profile_alloc')} | {fmt(main)} | {_q12(e)[0]} | "
+                f"{_ci(e.get('q2_vs_profile'))} | {_q12(e)[1]} | "
                 + (f"{q3['wins']}/{q3['ties']}/{q3['losses']} of {q3['tasks']}" if q3 else "n/a")
                 + f" | {'n/a' if gap is None else f'{100 * gap:.0f} %'} |"
             )
@@ -1068,7 +1092,7 @@ def _family_table(families: dict[str, Any], main: str) -> list[str]:
         "In-family (eval tasks the routes were calibrated on: "
         + ", ".join(families["in"]["valid_tasks"]) + f"; {families['in']['n_eval_samples']} samples) vs "
         "out-of-family (tasks they never saw: " + ", ".join(families["out"]["valid_tasks"])
-        + f"; {families['out']['n_eval_samples']} samples), paired x100:",
+        + f"; {families['out']['n_eval_samples']} samples), paired x100. {CEILING_NOTE}",
         "",
         f"| budget | family | full | best homogeneous | {main} | Q1 {main} - best homog. | Q2 - profile_alloc | "
         "Q8 - its start |",
@@ -1080,7 +1104,7 @@ def _family_table(families: dict[str, Any], main: str) -> list[str]:
             fmt = lambda r: f"{100 * avg[r]:.1f}" if r in avg else "n/a"  # noqa: E731
             full = "n/a" if e.get("full") is None else f"{100 * e['full']:.1f}"
             out.append(f"| {e['budget']} | {label} | {full} | {fmt(best)} ({best}) | {fmt(main)} | "
-                       f"{_ci(e.get('q1_vs_best_homogeneous'))} | {_ci(e.get('q2_vs_profile_alloc'))} | "
+                       f"{' | '.join(_q12(e))} | "
                        f"{_ci(e.get('q8_vs_start', {}).get(main))} |")
     return out
 
@@ -1102,11 +1126,12 @@ def summary_table(result: dict[str, Any]) -> str:
             q3 = e.get("q3_tasks")
             gap = e.get("q5_gap_recovered")
             lines.append(
-                f"| {label} | {e['budget']} | {_ci(e.get('q1_vs_best_homogeneous'))} | "
-                f"{_ci(e.get('q2_vs_profile_alloc'))} | {_ci(e.get('q8_vs_start', {}).get(main))} | "
+                f"| {label} | {e['budget']} | {' | '.join(_q12(e))} | {_ci(e.get('q8_vs_start', {}).get(main))} | "
                 + (f"{q3['wins']}/{q3['tasks']}" if q3 else "n/a")
                 + f" | {'n/a' if gap is None else f'{100 * gap:.0f} %'} |"
             )
+    if any("(ceiling)" in line for line in lines):
+        lines.append(f"\n{CEILING_NOTE}")
     if "q4_placement" in result:
         p = result["q4_placement"]
         lines.append(

@@ -637,3 +637,24 @@ def test_every_training_seed_is_answered_against_the_main_routes_start_and_the_p
     assert "| 0.1 | learned_warm_seed1 | 50.0 | +25.0 [" in table  # Q1 vs homogeneous:snapkv (0.25)
     assert "| 0.1 | **seeds pooled** | 41.7 | +16.7 [" in table
     assert S._seed_lines({"budgets": [{"budget": 0.1}]}, "learned_warm") == []
+
+
+def test_answers_mark_where_the_full_cache_itself_ties_the_reference():
+    """The ceiling: where the full cache does not beat a reference (paired), a tie against it
+    says little about the route; the answers hold full minus each reference and the tables
+    mark those cells. Hand-computed on four all-or-nothing samples."""
+    config = load_config(S.StudyConfig, overrides=["variants={learned: {}}", "budgets=[0.1]"])
+    scores = {"full": [1, 1, 1, 0], "homogeneous:snapkv": [0, 0, 0, 0], "profile_alloc": [1, 1, 1, 0],
+              "learned": [1, 1, 1, 0]}
+    rows = [{"sample_id": f"s{i}", "task": "niah_single_1", "route": route, "budget": None if route == "full" else 0.1,
+             "score": float(x)} for route, xs in scores.items() for i, x in enumerate(xs)]
+    e = S._answers(config, rows, "learned", [0.1])["budgets"][0]
+    assert e["headroom"]["best_homogeneous"]["diff"] == pytest.approx(0.75)
+    assert e["headroom"]["profile_alloc"]["diff"] == 0.0 and e["headroom"]["profile_alloc"]["verdict"] == "tie"
+    q1, q2 = S._q12(e)
+    assert "(ceiling)" not in q1 and q2 == "+0.0 [+0.0, +0.0] tie (ceiling)"
+    table = S.summary_table({"config": {"main_variant": "learned"}, "protocols": {"agnostic": {"budgets": [e]}}})
+    assert "| agnostic | 0.1 | +75.0 [" in table and "tie (ceiling) |" in table and S.CEILING_NOTE in table
+    e.pop("headroom")  # a study.json written before the ceiling was measured: no mark, no note
+    table = S.summary_table({"config": {"main_variant": "learned"}, "protocols": {"agnostic": {"budgets": [e]}}})
+    assert "(ceiling)" not in table
