@@ -30,8 +30,8 @@ def load_folders(folders: list[str | os.PathLike], rescore: bool = False) -> lis
     """Result rows of one bench folder, or of several joined into one (say one bench per
     family split, so that a paired report reads all of their samples together). Joined
     folders must agree on :data:`JOIN_SETTINGS` (read from each folder's ``config.yaml``, a
-    missing key at the bench's default; a folder without one is not compared) and hold no cell twice; every mismatch and the
-    first repeated cell are named in one error."""
+    missing key at the bench's default; a folder without one is not compared) and hold no
+    cell twice; every mismatch and the first repeated cell are named in one error."""
     folders = [Path(f) for f in folders]
     if len(folders) == 1:
         return load_rows(folders[0], rescore=rescore)
@@ -156,8 +156,8 @@ def paired_table(
     others = [pick(a) for a in against] if against else (
         sorted({r["route"] for r in rows} - {main, "full"} - mine_members) + sorted(set(members) - {main}))
     # the full cache (budget null) is paired at the budgets of the routes it is compared with
-    budgets = sorted({json.loads(b) for (r, b) in scores if b != "null" and (r == main or main == "full" and r in others)},
-                     key=_budget_order)
+    budgeted = {main} if main != "full" else set(others)
+    budgets = sorted({json.loads(b) for (r, b) in scores if b != "null" and r in budgeted}, key=_budget_order)
     n_full = len(scores.get(("full", "null"), {}))
     label = _stem(main)
     lines = [

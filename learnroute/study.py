@@ -1003,10 +1003,11 @@ def to_markdown(result: dict[str, Any], main: str) -> str:
             fmt = lambda r: f"{100 * avg[r]:.1f}" if r in avg else "n/a"  # noqa: E731
             q3 = e.get("q3_tasks")
             gap = e.get("q5_gap_recovered")
+            q1, q2_alloc = _q12(e)
             lines.append(
                 f"| {e['budget']} | {100 * e['full']:.1f} | {fmt(e['best_homogeneous'])} ({e['best_homogeneous']}) | "
-                f"{fmt('profile')} | {fmt('profile_alloc')} | {fmt(main)} | {_q12(e)[0]} | "
-                f"{_ci(e.get('q2_vs_profile'))} | {_q12(e)[1]} | "
+                f"{fmt('profile')} | {fmt('profile_alloc')} | {fmt(main)} | {q1} | "
+                f"{_ci(e.get('q2_vs_profile'))} | {q2_alloc} | "
                 + (f"{q3['wins']}/{q3['ties']}/{q3['losses']} of {q3['tasks']}" if q3 else "n/a")
                 + f" | {'n/a' if gap is None else f'{100 * gap:.0f} %'} |"
             )

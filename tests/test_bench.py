@@ -352,7 +352,8 @@ def test_report_paired_differences_by_hand(tmp_path, capsys):
     # full minus mine over a/0-a/3, diffs 0, 0, 1, 0 -> +25.0 (a tie: all-zero resamples are 32 %)
     assert main(["report", str(tmp_path), "--paired", "full", "--bootstrap", "500"]) == 0
     out = capsys.readouterr().out
-    assert "| 0.1 | mine | 4 | 50.0 | 75.0 | +25.0 [+0.0, " in out and "| 0.1 | B | 3 | 0.0 | 100.0 | +100.0 [+100.0, +100.0] | win |" in out
+    assert "| 0.1 | mine | 4 | 50.0 | 75.0 | +25.0 [+0.0, " in out
+    assert "| 0.1 | B | 3 | 0.0 | 100.0 | +100.0 [+100.0, +100.0] | win |" in out
     assert main(["report", str(tmp_path), "--paired", "mine", "--against", "full", "B", "--bootstrap", "500"]) == 0
     out = capsys.readouterr().out
     assert "| 0.1 | full | 4 | 75.0 | 50.0 | -25.0 [" in out and "| 0.1 | B | 3 |" in out
