@@ -25,10 +25,13 @@ def _run_config_command(
     argv: list[str],
     done: Callable[[Path], str],
     user_errors: tuple[type[BaseException], ...] = (),
+    options: dict[str, dict] | None = None,
 ) -> int:
     """``learnroute VERB --config FILE [--overwrite] [key=value ...]``: load, run, report.
 
     ``user_errors``: the verb's own deliberate errors, reported like :data:`USER_ERRORS`.
+    ``options``: the verb's own flags (flag -> ``add_argument`` keywords); each one given
+    reaches ``runner`` as a keyword named by its ``dest``.
     """
     parser = argparse.ArgumentParser(
         prog=f"learnroute {verb}",
@@ -38,11 +41,14 @@ def _run_config_command(
     )
     parser.add_argument("--config", help="YAML config file (defaults are used for missing keys)")
     parser.add_argument("--overwrite", action="store_true", help="move a run with another config aside")
+    for flag, kwargs in (options or {}).items():
+        parser.add_argument(flag, **kwargs)
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="override config keys")
     args = parser.parse_args(argv)
+    extra = {k: v for k, v in vars(args).items() if k not in ("config", "overwrite", "overrides") and v is not None}
     try:
         config = load_config(cls, args.config, args.overrides)
-        out = runner(config, overwrite=args.overwrite)
+        out = runner(config, overwrite=args.overwrite, **extra)
     except USER_ERRORS + user_errors as e:
         parser.exit(2, f"learnroute {verb}: error: {e}\n")
     if os.environ.get("RANK", "0") == "0":  # under torchrun / accelerate launch: said once, by rank 0
@@ -176,17 +182,36 @@ def study(argv: list[str]) -> int:
 
 def train(argv: list[str]) -> int:
     """Learn per-layer gates (methods and/or budgets) on calibration samples -> a hardened route."""
-    from learnroute.gates.train import TrainConfig, TrainingError, run_train
+    from learnroute.gates.train import TrainConfig, TrainingError, run_train, run_train_seeds
 
+    def runner(config: TrainConfig, overwrite: bool, seeds: list[int] | None = None) -> Path | list[Path]:
+        return run_train(config, overwrite) if seeds is None else run_train_seeds(config, seeds, overwrite)
+
+    def done(out: Path | list[Path]) -> str:
+        return "\n".join(f"gates in {o}: route.json (hardened), pi.png, budgets.png, checkpoints/"
+                         for o in (out if isinstance(out, list) else [out]))
+
+    seeds = dict(type=_seed_list, metavar="K,K,...",
+                 help="train once per optimisation seed (train_seed=K) into <output>_seed<K>, prefilling the "
+                      "calibration samples once for all of them (e.g. --seeds 0,1,2)")
     return _run_config_command(
         "train",
         train.__doc__,
         TrainConfig,
-        run_train,
+        runner,
         argv,
-        lambda out: f"gates in {out}: route.json (hardened), pi.png, budgets.png, checkpoints/",
+        done,
         (TrainingError,),  # the loss became NaN: the message says which checkpoint and what to change
+        options={"--seeds": seeds},
     )
+
+
+def _seed_list(text: str) -> list[int]:
+    """``--seeds 0,1,2`` -> [0, 1, 2] (one argument, so that key=value overrides may follow)."""
+    try:
+        return [int(s) for s in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes integers separated by commas, e.g. --seeds 0,1,2; got {text!r}")
 
 
 def export(argv: list[str]) -> int:

@@ -191,30 +191,40 @@ def prepare_folder(config: Any, overwrite: bool, is_main: bool, growable: tuple[
     out = Path(config.output)
     resolved = to_dict(config)
     saved = out / "config.yaml"
-    if saved.is_file():
-        old = yaml.safe_load(saved.read_text()) or {}
-        defaults = _defaults(config)
-        a, b = _comparable(old, defaults), _comparable(resolved)
-        grew = [k for k in growable if _grown(a.pop(k, None), b.pop(k, None))]
-        if a != b or len(grew) != len(growable):
-            if not overwrite:
-                diff = sorted(
-                    k for k in set(old) | set(resolved)
-                    if k not in _RESUME_FREE and old.get(k) != resolved.get(k) and k not in grew
-                )
-                raise ConfigError(
-                    f"{out} holds a run with a different config (differs in: {', '.join(diff)}); "
-                    "pass --overwrite to move it aside and start afresh, or choose another output"
-                )
-            if is_main:
-                aside = out.with_name(f"{out.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
-                shutil.move(str(out), aside)
-                print(f"moved the previous run in {out} to {aside}", file=sys.stderr)
+    conflict = folder_conflict(config, growable)
+    if conflict is not None:
+        if not overwrite:
+            raise ConfigError(conflict)
+        if is_main:
+            aside = out.with_name(f"{out.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
+            shutil.move(str(out), aside)
+            print(f"moved the previous run in {out} to {aside}", file=sys.stderr)
     if is_main:
         out.mkdir(parents=True, exist_ok=True)
         atomic_write(saved, yaml.safe_dump(resolved, sort_keys=False))
         _record_start(out / "versions.json")
     return out
+
+
+def folder_conflict(config: Any, growable: tuple[str, ...] = ()) -> str | None:
+    """Why ``config.output`` cannot resume with ``config`` (it holds a run with a different
+    config), or None when it is new or resumable. Reads only; :func:`prepare_folder` acts."""
+    out = Path(config.output)
+    saved = out / "config.yaml"
+    if not saved.is_file():
+        return None
+    resolved = to_dict(config)
+    old = yaml.safe_load(saved.read_text()) or {}
+    a, b = _comparable(old, _defaults(config)), _comparable(resolved)
+    grew = [k for k in growable if _grown(a.pop(k, None), b.pop(k, None))]
+    if a == b and len(grew) == len(growable):
+        return None
+    diff = sorted(
+        k for k in set(old) | set(resolved)
+        if k not in _RESUME_FREE and old.get(k) != resolved.get(k) and k not in grew
+    )
+    return (f"{out} holds a run with a different config (differs in: {', '.join(diff)}); "
+            "pass --overwrite to move it aside and start afresh, or choose another output")
 
 
 def _record_start(path: Path) -> None:

@@ -330,6 +330,50 @@ def test_a_second_run_on_the_same_samples_reuses_their_prefills(tiny_dir, tmp_pa
     assert torch.equal(b["theta"], d["theta"]) and torch.equal(b["beta"], d["beta"])  # reused = fresh prefills
 
 
+def test_seeds_train_what_separate_runs_train_and_prefill_once(tiny_dir, tmp_path, monkeypatch, capsys):
+    """`learnroute train --seeds 0,2`: the runs of `train_seed=0` and `train_seed=2` trained
+    alone, into <output>_seed<k>, with the calibration samples prefilled once for both."""
+    made = []
+    real = Engine.prefill
+    monkeypatch.setattr(Engine, "prefill", lambda *a, **k: made.append(1) or real(*a, **k))
+    (tmp_path / "both").mkdir()
+    assert train(write_config(tmp_path / "both", tiny_dir, steps=3, save_every=3), "--seeds", "0,2") == 0
+    per_run = len(made)
+    assert per_run > 0
+    for k in (0, 2):
+        (tmp_path / f"alone{k}").mkdir()
+        assert train(write_config(tmp_path / f"alone{k}", tiny_dir, steps=3, save_every=3, train_seed=k)) == 0
+    assert len(made) == 3 * per_run  # each alone prefills what the two seeds prefilled together
+    gates = {}
+    for k in (0, 2):
+        out = tmp_path / "both" / f"run_seed{k}"
+        assert yaml.safe_load((out / "config.yaml").read_text())["train_seed"] == k
+        gates[k], _ = T.load_gates(out / "gates.safetensors")
+        alone, _ = T.load_gates(tmp_path / f"alone{k}" / "run" / "gates.safetensors")
+        assert torch.equal(gates[k]["theta"], alone["theta"]) and torch.equal(gates[k]["beta"], alone["beta"])
+        alone_route = Route.from_file(tmp_path / f"alone{k}" / "run" / "route.json")
+        assert Route.from_file(out / "route.json").layers == alone_route.layers
+    assert not torch.equal(gates[0]["beta"], gates[2]["beta"])  # the seed reached the optimisation
+    assert "run_seed0" in capsys.readouterr().err
+
+    # bad seeds, or a later seed's folder that holds another run: one error, before any training
+    made.clear()
+    for extra, match in (((), "train_seed=1 and --seeds"), (("train_seed=null",), "more than once")):
+        cfg = write_config(tmp_path / "both", tiny_dir, steps=3, save_every=3, train_seed=1)
+        with pytest.raises(SystemExit) as e:
+            train(cfg, "--seeds", "3,3", *extra)
+        assert e.value.code == 2 and match in capsys.readouterr().err
+    cfg = write_config(tmp_path / "both", tiny_dir, steps=3, save_every=3)
+    with pytest.raises(SystemExit):
+        train(cfg, "--seeds", "5,2", "lr=0.5")
+    err = capsys.readouterr().err
+    assert "run_seed2 holds a run with a different config (differs in: lr" in err
+    assert made == [] and not (tmp_path / "both" / "run_seed5").exists()
+    with pytest.raises(SystemExit):
+        train(cfg, "--seeds", "0 1")
+    assert "e.g. --seeds 0,1,2; got '0 1'" in capsys.readouterr().err
+
+
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tiny_dir, tmp_path, monkeypatch):
     cfg = write_config(tmp_path, tiny_dir)
     real = T.answer_loss

@@ -34,12 +34,13 @@ import logging
 import math
 import random
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from learnroute.config import ConfigError
 from learnroute.gates import cotrain
 from learnroute.gates.checkpoint import checkpoint_meta, latest_checkpoint, load_gates, save_gates
 from learnroute.gates.config import CANDIDATES, SELECT, TrainConfig, optimisation_seed
@@ -47,8 +48,9 @@ from learnroute.gates.gates import Gates
 from learnroute.gates.start import init_from, build_gates
 from learnroute.methods.budgets import Budget, mean_tokens
 from learnroute.route import Route, RouteError
+from learnroute.runs import folder_conflict
 
-__all__ = ["CANDIDATES", "SELECT", "TrainConfig", "TrainingError", "run_train", "shared_calibration"]
+__all__ = ["CANDIDATES", "SELECT", "TrainConfig", "TrainingError", "run_train", "run_train_seeds", "shared_calibration"]
 logger = logging.getLogger("learnroute.train")
 
 
@@ -541,6 +543,48 @@ def run_train(config: TrainConfig, overwrite: bool = False, progress: bool = Tru
         trainer.fit()
         trainer.finish()
     return run.out
+
+
+SEED_SUFFIX = "_seed"  # <output>_seed<k>: the run of optimisation seed k (as a study names its seeds)
+
+
+def seed_configs(config: TrainConfig, seeds: list[int]) -> list[TrainConfig]:
+    """``config`` once per optimisation seed: ``train_seed=k``, ``output=<output>_seed<k>``.
+    Raises :class:`ConfigError` listing what is wrong with ``seeds``."""
+    problems = []
+    if not seeds:
+        problems.append("--seeds needs at least one seed, e.g. --seeds 0 1 2")
+    if bad := [s for s in seeds if not isinstance(s, int) or isinstance(s, bool) or s < 0]:
+        problems.append(f"--seeds must be integers >= 0, got {bad}")
+    if dup := sorted({s for s in seeds if seeds.count(s) > 1}):
+        problems.append(f"--seeds lists {dup} more than once")
+    if config.train_seed is not None:
+        problems.append(f"train_seed={config.train_seed} and --seeds both set the optimisation seed; drop one")
+    if problems:
+        raise ConfigError("; ".join(problems))
+    return [replace(config, train_seed=s, output=f"{config.output}{SEED_SUFFIX}{s}") for s in seeds]
+
+
+def run_train_seeds(
+    config: TrainConfig, seeds: list[int], overwrite: bool = False, progress: bool = True
+) -> list[Path]:
+    """Train ``config`` once per optimisation seed into ``<output>_seed<k>``, one run after
+    another in this process. Each run is the one ``train_seed=k output=<output>_seed<k>``
+    trains alone, but the runs share their calibration prefills (:func:`shared_calibration`,
+    as a study's variants do): the samples are prefilled once, not once per seed (at 4k
+    tokens on 2 CPU cores that is 12 minutes a seed). Every run folder is checked before
+    the first run starts, so a conflict in the last one does not wait for the others."""
+    from accelerate import PartialState
+
+    configs = seed_configs(config, seeds)
+    if not overwrite and (conflicts := [c for cfg in configs if (c := folder_conflict(cfg))]):
+        raise ConfigError("; ".join(conflicts))
+    outs = []
+    with shared_calibration():
+        for cfg in configs:
+            outs.append(run_train(cfg, overwrite, progress))
+            PartialState().wait_for_everyone()  # rank 0 writes route.json last
+    return outs
 
 
 def _resume(ckpt: Path, gates: Gates, optimizer, model: str, n_layers: int, methods: list[str]):
