@@ -553,7 +553,7 @@ def seed_configs(config: TrainConfig, seeds: list[int]) -> list[TrainConfig]:
     Raises :class:`ConfigError` listing what is wrong with ``seeds``."""
     problems = []
     if not seeds:
-        problems.append("--seeds needs at least one seed, e.g. --seeds 0 1 2")
+        problems.append("--seeds needs at least one seed, e.g. --seeds 0,1,2")
     if bad := [s for s in seeds if not isinstance(s, int) or isinstance(s, bool) or s < 0]:
         problems.append(f"--seeds must be integers >= 0, got {bad}")
     if dup := sorted({s for s in seeds if seeds.count(s) > 1}):
