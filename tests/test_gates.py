@@ -411,6 +411,26 @@ def test_two_processes_train_like_one(tiny_dir, tmp_path):
     assert not torch.equal(one["theta"], torch.zeros_like(one["theta"]))  # it did train
 
 
+def test_seeds_under_torchrun_shard_each_run_across_the_ranks(tiny_dir, tmp_path):
+    """`torchrun --nproc_per_node 2 ... train --seeds 0,1`: each seed's run is one run over
+    two ranks (each history row written once, by rank 0), ending where one process does."""
+    cfg = write_config(tmp_path, tiny_dir, val_fraction=0.0, steps=3, save_every=3)
+    assert train(cfg, "--seeds", "0,1") == 0
+    torchrun = Path(sys.executable).parent / "torchrun"
+    proc = subprocess.run(
+        [str(torchrun), "--nproc_per_node", "2", str(Path(__file__).parents[1] / "train" / "gates.py"),
+         "--config", str(cfg), "--seeds", "0,1", f"output={tmp_path / 'two'}"],
+        capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for k in (0, 1):
+        steps = [r["step"] for r in read_jsonl(tmp_path / f"two_seed{k}" / "history.jsonl") if "loss" in r]
+        assert steps == [1, 2, 3]
+        one, _ = T.load_gates(tmp_path / f"run_seed{k}" / "gates.safetensors")
+        two, _ = T.load_gates(tmp_path / f"two_seed{k}" / "gates.safetensors")
+        torch.testing.assert_close(two["beta"], one["beta"], rtol=1e-4, atol=1e-5)
+
+
 # ---------------------------------------------------------------------------- export
 
 

@@ -48,7 +48,7 @@ from learnroute.gates.gates import Gates
 from learnroute.gates.start import init_from, build_gates
 from learnroute.methods.budgets import Budget, mean_tokens
 from learnroute.route import Route, RouteError
-from learnroute.runs import folder_conflict
+from learnroute.runs import folder_conflict, process_state
 
 __all__ = ["CANDIDATES", "SELECT", "TrainConfig", "TrainingError", "run_train", "run_train_seeds", "shared_calibration"]
 logger = logging.getLogger("learnroute.train")
@@ -574,8 +574,6 @@ def run_train_seeds(
     as a study's variants do): the samples are prefilled once, not once per seed (at 4k
     tokens on 2 CPU cores that is 12 minutes a seed). Every run folder is checked before
     the first run starts, so a conflict in the last one does not wait for the others."""
-    from accelerate import PartialState
-
     configs = seed_configs(config, seeds)
     if not overwrite and (conflicts := [c for cfg in configs if (c := folder_conflict(cfg))]):
         raise ConfigError("; ".join(conflicts))
@@ -583,7 +581,7 @@ def run_train_seeds(
     with shared_calibration():
         for cfg in configs:
             outs.append(run_train(cfg, overwrite, progress))
-            PartialState().wait_for_everyone()  # rank 0 writes route.json last
+            process_state().wait_for_everyone()  # rank 0 writes route.json last
     return outs
 
 
