@@ -28,7 +28,7 @@ from statistics import mean
 from typing import Any
 
 from learnroute.config import ConfigError, from_dict, to_dict
-from learnroute.gates.config import CANDIDATES, TrainConfig
+from learnroute.gates.config import CANDIDATES, SEED_SUFFIX, TrainConfig
 from learnroute.methods import get_method
 from learnroute.route import Route, budget_problem
 from learnroute.runs import atomic_write, device_problem
@@ -233,7 +233,7 @@ class StudyConfig:
         """The variants ``seeds`` adds: the main variant's overrides again per optimisation
         seed, named ``<main>_seed<k>``."""
         main = self.variants.get(self.main_variant, {})
-        return {f"{self.main_variant}{SEED}{k}": {**main, "train_seed": k} for k in self.seeds or []}
+        return {f"{self.main_variant}{SEED_SUFFIX}{k}": {**main, "train_seed": k} for k in self.seeds or []}
 
     @property
     def seed_variants(self) -> set[str]:
@@ -353,7 +353,6 @@ class StudyConfig:
 GROWABLE = ("variants", "seeds", "imported_routes", "protocols")
 CONTROLS = "_controls"  # bench_<protocol>_controls/: pyramid: and adakv:<best homogeneous method>, after the bench
 CONTROL_KINDS = ("pyramid", "adakv")
-SEED = "_seed"  # <main>_seed<k>: the main variant trained with another optimisation seed
 START = "_start"  # suffix of a variant's untrained start among the routes (the control of question 8)
 IMPORTED = "imported_"  # routes/imported_<name>.json: routes made elsewhere (imported_routes)
 SHARED_STARTS = "shared_starts.json"  # routes/: {start: the identical start benched in its place}

@@ -20,6 +20,7 @@ Budget = int | float
 CANDIDATES = ["snapkv", "streaming_llm", "h2o", "tova", "knorm", "expected_attention", "keydiff", "lava"]
 SELECT = ("best_val", "last")
 GRANULARITY = ("layer", "head")
+SEED_SUFFIX = "_seed"  # <name>_seed<k>: a run of optimisation seed k (`train --seeds`, a study's `seeds`)
 @dataclass
 class TrainConfig:
     """What ``learnroute train`` learns, on which calibration samples, and how."""

@@ -43,7 +43,7 @@ import torch
 from learnroute.config import ConfigError
 from learnroute.gates import cotrain
 from learnroute.gates.checkpoint import checkpoint_meta, latest_checkpoint, load_gates, save_gates
-from learnroute.gates.config import CANDIDATES, SELECT, TrainConfig, optimisation_seed
+from learnroute.gates.config import CANDIDATES, SEED_SUFFIX, SELECT, TrainConfig, optimisation_seed
 from learnroute.gates.gates import Gates
 from learnroute.gates.start import init_from, build_gates
 from learnroute.methods.budgets import Budget, mean_tokens
@@ -543,9 +543,6 @@ def run_train(config: TrainConfig, overwrite: bool = False, progress: bool = Tru
         trainer.fit()
         trainer.finish()
     return run.out
-
-
-SEED_SUFFIX = "_seed"  # <output>_seed<k>: the run of optimisation seed k (as a study names its seeds)
 
 
 def seed_configs(config: TrainConfig, seeds: list[int]) -> list[TrainConfig]:
