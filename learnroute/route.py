@@ -28,7 +28,7 @@ import json
 import os
 import tempfile
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,9 @@ SCHEMA = "learnroute.route/2"
 SHARES = ("adakv",)  # LayerRoute.share: how a layer's heads may share its budget
 ADAKV_SAFEGUARD = 0.20  # Ada-KV's floor per head, as a fraction of the layer's budget (kvpress's default)
 READABLE = ("learnroute.route/1", SCHEMA)  # version 1: per-layer entries only
+# a per-head route's layer totals: part of its learned shape (learn) or kept from a per-layer
+# route when it is rescaled (fixed: two-stage routes, a TrainConfig's layer_totals)
+LAYER_TOTALS = ("learn", "fixed")
 Budget = int | float
 
 
@@ -195,9 +198,16 @@ class Route:
     model: str | None = None
     provenance: dict[str, Any] = field(default_factory=dict)
     adapter_path: Path | None = None  # the adapter folder that decodes with this route (None: no adapter)
+    # fixed: rescaling keeps each layer's total as a per-layer route's, a head at the context
+    # cap handing its excess to its own layer's heads (learn: one water fill over every head)
+    layer_totals: str = "learn"
 
     def __post_init__(self) -> None:
         problems = []
+        if self.layer_totals not in LAYER_TOTALS:
+            problems.append(f"layer_totals must be one of {', '.join(LAYER_TOTALS)}, got {self.layer_totals!r}")
+        elif self.layer_totals == "fixed" and not any(e.heads is not None for e in self.layers):
+            problems.append("layer_totals 'fixed' keeps layer totals while heads share them: it needs a per-head route")
         if not self.layers:
             problems.append("a route needs at least one layer")
         head_counts = set()
@@ -308,15 +318,15 @@ class Route:
     def hardened(self) -> Route:
         """The same route with every mixture layer (or head) replaced by its heaviest method."""
         prov = {**self.provenance, "hardened_from_mixture": self.is_mixture}
-        layers = [e.hardened() for e in self.layers]
-        return Route(layers, model=self.model, provenance=prov, adapter_path=self.adapter_path)
+        return replace(self, layers=[e.hardened() for e in self.layers], provenance=prov)
 
     def rescaled(self, budget: Budget, free: list[bool] | None = None) -> Route:
         """The route's methods (and mixtures, and adapter) with its per-layer budget shape
         moved to mean ``budget`` over its ``free`` layers (default: all), by
         :func:`learnroute.methods.budgets.rescale_budgets`: fractions capped at the whole
-        context with the excess shared by water filling, token budgets rounded to the exact
-        total. A route already at that mean comes back with the same budgets."""
+        context with the excess shared by water filling (with ``layer_totals`` fixed, within
+        the head's layer first), token budgets rounded to the exact total. A route already at
+        that mean comes back with the same budgets."""
         prov = {**self.provenance, "rescaled_to": budget}
         H = self.n_heads
         try:
@@ -325,7 +335,7 @@ class Route:
             else:  # one shape over every (layer, KV head): per-head budgets follow the same rules
                 flat = [b for per_layer in self.head_budgets(H) for b in per_layer]
                 free_flat = None if free is None else [f for f in free for _ in range(H)]
-                got = rescale_budgets(flat, budget, free_flat)
+                got = rescale_budgets(flat, budget, free_flat, H if self.layer_totals == "fixed" else None)
         except ValueError as e:
             raise RouteError(f"cannot rescale this route: {e}; use route_file_budgets=file") from None
         if H is None:
@@ -342,7 +352,7 @@ class Route:
                 else:
                     layers.append(LayerRoute.per_head([LayerRoute(h.method, b, h.mixture)
                                                        for h, b in zip(e.head_entries(H), mine)]))
-        return Route(layers, model=self.model, provenance=prov, adapter_path=self.adapter_path)
+        return replace(self, layers=layers, provenance=prov)
 
     def reshaped(self, *, floor: float | None = None, head_spread: float | None = None,
                  layer_mean: bool = False) -> Route:
@@ -385,14 +395,14 @@ class Route:
             else:  # a per-layer entry whose heads stay alike
                 layers.append(LayerRoute(e.method, row[0], e.mixture, share=e.share))
         prov = {**self.provenance, "reshaped": {"floor": floor, "head_spread": head_spread, "layer_mean": layer_mean}}
-        return Route(layers, model=self.model, provenance=prov, adapter_path=self.adapter_path)
+        return replace(self, layers=layers, provenance=prov)
 
     def with_adapter(self, path: str | os.PathLike | None) -> Route:
         """The same route decoding with the adapter folder ``path`` (None: without adapter)."""
         prov = {k: v for k, v in self.provenance.items() if k != "adapter"}
         if path is not None:
             prov["adapter"] = str(path)
-        return Route(list(self.layers), model=self.model, provenance=prov, adapter_path=path)
+        return replace(self, layers=list(self.layers), provenance=prov, adapter_path=path)
 
     def method_counts(self) -> dict[str, int]:
         return dict(Counter(self.methods))
@@ -445,7 +455,7 @@ class Route:
                 for i, e in enumerate(self.layers)
             ],
             "provenance": provenance,
-        }
+        } | ({"layer_totals": self.layer_totals} if self.layer_totals != "learn" else {})
 
     @classmethod
     def from_dict(cls, d: Any, base: str | os.PathLike | None = None) -> Route:
@@ -457,7 +467,7 @@ class Route:
         schema = d.get("schema", SCHEMA)
         if schema not in READABLE:
             problems.append(f"unsupported schema {schema!r} (readable: {', '.join(READABLE)})")
-        unknown = set(d) - {"schema", "model", "n_layers", "layers", "provenance"}
+        unknown = set(d) - {"schema", "model", "n_layers", "layers", "provenance", "layer_totals"}
         if unknown:
             problems.append(f"unknown keys {sorted(unknown)}")
         layers = d.get("layers")
@@ -514,11 +524,13 @@ class Route:
                 adapter = Path(provenance["adapter"])
                 if base is not None and not adapter.is_absolute():
                     adapter = Path(base) / adapter
+        layer_totals = d.get("layer_totals", "learn")
+        if layer_totals not in LAYER_TOTALS:
+            problems.append(f"'layer_totals' must be one of {', '.join(LAYER_TOTALS)}, got {layer_totals!r}")
         if problems:
             raise RouteError("invalid route:\n  " + "\n  ".join(problems))
-        return cls(
-            [entries[i] for i in range(n_layers)], model=d.get("model"), provenance=dict(provenance), adapter_path=adapter
-        )
+        return cls([entries[i] for i in range(n_layers)], model=d.get("model"), provenance=dict(provenance),
+                   adapter_path=adapter, layer_totals=layer_totals)
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> Route:

@@ -112,6 +112,29 @@ def test_per_head_budgets_rescale_with_the_one_budget_arithmetic():
     assert max(flat) == 1.0 and sum(flat) / 4 == pytest.approx(0.8)
 
 
+
+def test_a_route_with_fixed_layer_totals_rescales_layers_first_by_hand():
+    """Layer 0's heads at 0.8 / 0.1, layer 1's at 0.1 / 0.1 (mean 0.275). At mean 0.55 (x2):
+    layer totals 1.8 / 0.4 as the per-layer route's; layer 0's first head caps at 1.0 and
+    its excess 0.6 goes to its own second head (0.8), layer 1 keeps 0.2 / 0.2. One water fill
+    over every head (layer_totals learn) spreads the excess over all three others in
+    proportion 1:1:1 instead (0.4 each): layer 0 keeps 1.4, layer 1 gets 0.8."""
+    layers = [LayerRoute.per_head([LayerRoute("tova", 0.8), LayerRoute("tova", 0.1)]),
+              LayerRoute.per_head([LayerRoute("knorm", 0.1), LayerRoute("knorm", 0.1)])]
+    fixed, learned = Route(layers, layer_totals="fixed"), Route(layers)
+    assert [h for row in fixed.rescaled(0.55).head_budgets(2) for h in row] == pytest.approx([1.0, 0.8, 0.2, 0.2])
+    assert [h for row in learned.rescaled(0.55).head_budgets(2) for h in row] == pytest.approx([1.0, 0.4, 0.4, 0.4])
+    per_layer = Route.from_layers(["tova", "knorm"], [0.45, 0.1]).rescaled(0.55)  # the layers' own rescaling
+    assert [2 * b for b in per_layer.budgets] == pytest.approx([sum(r) for r in fixed.rescaled(0.55).head_budgets(2)])
+    # the flag survives the file, hardening, rescaling and an adapter; a wrong value is named
+    back = Route.from_dict(json.loads(json.dumps(fixed.to_dict())))
+    assert back.layer_totals == "fixed" and back.hardened().rescaled(0.3).with_adapter(None).layer_totals == "fixed"
+    assert "layer_totals" not in learned.to_dict()  # a per-head route learned as a whole writes what it always did
+    with pytest.raises(RouteError, match="'layer_totals' must be one of learn, fixed, got 'frozen'"):
+        Route.from_dict({**fixed.to_dict(), "layer_totals": "frozen"})
+    with pytest.raises(RouteError, match="it needs a per-head route"):
+        Route([LayerRoute("tova", 0.4)], layer_totals="fixed")
+
 # ---------------------------------------------------------------------------- engine
 
 
@@ -368,6 +391,10 @@ def test_fixed_layer_totals_split_each_layers_start_budget_over_its_heads_by_han
             g.beta.copy_(torch.tensor([math.log(3.0), 0.0, 0.0, 0.0]))
     assert fixed.budgets(10.0, 100).tolist() == pytest.approx([22.5, 7.5, 5.0, 5.0], abs=1e-4)
     assert learned.budgets(10.0, 100).tolist() == pytest.approx([20.0, 20 / 3, 20 / 3, 20 / 3], abs=1e-4)
+    # a 20-token context caps the 22.5-token head: its 2.5 go to its own layer's other head
+    # (20 / 10; the layer totals stay 30 / 10), not in proportion 7.5:5:5 over every head
+    assert fixed.budgets(10.0, 20).tolist() == pytest.approx([20.0, 10.0, 5.0, 5.0], abs=1e-4)
+    assert fixed.harden(0.5, 20).layer_totals == "fixed" and learned.harden(0.5, 20).layer_totals == "learn"
     with pytest.raises(ValueError, match="needs n_heads > 1"):
         Gates(["snapkv"], [True, True], layer_totals="fixed", init_methods=["snapkv"] * 2)
 
@@ -389,6 +416,7 @@ def test_training_with_fixed_layer_totals_keeps_the_start_routes_layer_budgets(t
         heads = route.head_budgets(2)  # (L, H)
         assert [sum(h) / 2 for h in heads] == pytest.approx([0.05, 0.05, 0.4, 0.3], abs=1e-5)
         assert any(abs(h[0] - h[1]) > 1e-3 for h in heads)  # the split was learned
+        assert route.layer_totals == "fixed"  # and bench rescales it layers first
 
 
 def test_per_head_gates_start_from_a_per_head_route_or_a_per_layer_one(tmp_path):

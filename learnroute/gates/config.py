@@ -111,7 +111,8 @@ class TrainConfig:
         default="learn",
         metadata={"help": "granularity head: learn | fixed. fixed keeps each layer's share of the budget at its "
                           "start (init_route's budget shape, else uniform) and learns only how the layer splits "
-                          "it over its KV heads"},
+                          "it over its KV heads (a head at the context cap hands its excess to its own layer's heads; "
+                          "the route is written with layer_totals fixed and bench rescales it layers first)"},
     )
     init_route: str | None = field(
         default=None, metadata={"help": "route file to start from (e.g. a profile route): methods and budget shape"}

@@ -21,6 +21,7 @@ The hooks :mod:`learnroute.gates.train` calls when ``adapter: true``:
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -67,7 +68,7 @@ class FixedGates(Gates):
         """The fixed route at mean ``budget`` over the free layers, naming ``model`` as
         :meth:`Gates.harden` does (a route made from a method alone names none)."""
         route = self.route.rescaled(budget, self.free.tolist())
-        return route if model is None else Route(route.layers, model=model, provenance=route.provenance)
+        return route if model is None else replace(route, model=model)
 
 def build_fixed_gates(config: TrainConfig, model: str | None, n_layers: int, free: list[bool]) -> FixedGates:
     return FixedGates(config.methods, free, fixed_route(config, model, n_layers), config.budget_floor)

@@ -10,6 +10,7 @@ hardens with :meth:`learnroute.gates.gates.Gates.harden`, the route validation r
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -75,7 +76,7 @@ def export_route(
     }
     if getattr(gates, "fixed", False):
         prov = {**route.provenance, "adapter_trained_for": route.provenance.get("source", "route"), **prov}
-        return Route(route.layers, model=route.model, provenance=prov, adapter_path=route.adapter_path)
+        return replace(route, provenance=prov)
     temperature = config.gate_temperature[1] if temperature is None else temperature
     pi = torch.softmax(gates.theta.detach() / temperature, -1)  # (L·H, M): per layer, or per (layer, head)
     mixtures = None
@@ -101,7 +102,7 @@ def export_route(
             continue
         mix = [tuple(mixtures[l * H + h].items()) for h in range(H)]
         layers.append(LayerRoute.per_head([LayerRoute(x.method, x.budget, m) for x, m in zip(e.heads, mix)]))
-    return Route(layers, model=model, provenance=prov)
+    return Route(layers, model=model, provenance=prov, layer_totals=route.layer_totals)
 
 
 def plot_gates(out: Path, path: Path, config: TrainConfig) -> None:
@@ -224,7 +225,7 @@ def export_start(source: str | Path, out: str | Path, *, budget: str | None = No
     route = gates.harden(b, config.context_tokens, model=meta["model"])
     prov = {**route.provenance, "source": "start", "start_of": str(run), "budget": b,
             "train_config": to_dict(config)}
-    route = Route(route.layers, model=route.model, provenance=prov)
+    route = replace(route, provenance=prov)
     route.to_file(out)
     return route
 

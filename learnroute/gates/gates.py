@@ -30,15 +30,14 @@ import torch
 from torch import nn
 
 from learnroute.gates.topk import soft_topk
-from learnroute.methods.budgets import Budget, mean_tokens, round_exact, unit_weights, water_fill
+from learnroute.methods.budgets import Budget, layer_first_fill, mean_tokens, round_exact, unit_weights, water_fill
 from learnroute.methods.mixing import mix_ranks
 from learnroute.methods.registry import METHODS
 from learnroute.methods.select import kept_count, select
-from learnroute.route import LayerRoute, Route
+from learnroute.route import LAYER_TOTALS, LayerRoute, Route
 
 MIXING = ("score", "mask")
 LEARN = ("both", "methods", "budgets", "none")  # none: frozen gates (a fixed route; an adapter trains)
-LAYER_TOTALS = ("learn", "fixed")  # granularity head: learn each layer's total, or keep it at the start
 
 
 def unit_shares(
@@ -166,7 +165,9 @@ class Gates(nn.Module):
         """Soft per-unit budgets (L·H,) in tokens for a mean of ``mean_k`` tokens per free
         unit and a context of ``n`` tokens: weights ``floor + (1 - floor)·U·share`` water-
         filled to the total ``U_free · mean_k`` with each unit capped at ``n``
-        (:mod:`learnroute.methods.budgets`). Fixed layers get ``n`` (never compressed)."""
+        (:mod:`learnroute.methods.budgets`; with fixed layer totals the layers first, then
+        each layer's heads, so that a capped head's excess stays in its layer). Fixed layers
+        get ``n`` (never compressed)."""
         free = self.free_units
         n_free = int(free.sum())
         mean_k = min(float(mean_k), float(n))
@@ -174,6 +175,10 @@ class Gates(nn.Module):
         if n_free == 0:
             return k
         w = unit_weights(self.shares()[free], self.budget_floor, self.n_heads, self.head_spread)  # (U_free,)
+        if self.layer_shares is not None:  # free units come in whole layers
+            grid = w.view(-1, self.n_heads)  # (U_free,) -> (L_free, H)
+            filled = layer_first_fill(grid, mean_k * n_free, float(n)).reshape(-1)  # (L_free, H) -> (U_free,)
+            return k.masked_scatter(free, filled)
         return k.masked_scatter(free, water_fill(w, mean_k * n_free, float(n)))
 
     def harden(self, budget: Budget, context_tokens: int, model: str | None = None) -> Route:
@@ -204,7 +209,7 @@ class Gates(nn.Module):
             if self.free[l] else LayerRoute(methods[l * H], budget)  # never compressed: nominal
             for l in range(self.n_layers)
         ]
-        return Route(layers, model=model)
+        return Route(layers, model=model, layer_totals="learn" if self.layer_shares is None else "fixed")
 
     # ------------------------------------------------------------------ masks
 

@@ -107,6 +107,45 @@ def water_fill(weights: torch.Tensor, total: float | torch.Tensor, cap: float) -
     return k.clamp_max(cap)
 
 
+def water_fill_rows(weights: torch.Tensor, totals: torch.Tensor, cap: float) -> torch.Tensor:
+    """:func:`water_fill` of each row on its own: budgets (L, H) with row ``l`` summing to
+    ``totals[l]`` (clipped into [0, H·cap]), ``min(cap, c_l·w_lh)`` with one ``c_l`` per
+    row; a row whose uncapped weights are all 0 shares its rest equally. Differentiable in
+    ``weights`` and ``totals`` on uncapped entries."""
+    w = weights.clamp_min(0)  # (L, H)
+    top = w.detach().amax(1, keepdim=True)  # (L, 1)
+    w = torch.where(top > 0, w / top.clamp_min(torch.finfo(w.dtype).tiny), w)  # only ratios within a row matter
+    L, H = w.shape
+    totals = totals.to(w).clamp(0, H * cap)  # (L,)
+    capped = torch.zeros_like(w, dtype=torch.bool)  # (L, H)
+    k = w
+    for _ in range(H + 1):
+        free_w = w.masked_fill(capped, 0)  # (L, H)
+        wsum = free_w.sum(1, keepdim=True)  # (L, 1)
+        empty = ~(wsum > 0)
+        free_w = torch.where(empty, (~capped).to(w.dtype), free_w)  # nothing to go by: equal shares
+        wsum = torch.where(empty, free_w.sum(1, keepdim=True).clamp_min(1), wsum)
+        rest = totals[:, None] - cap * capped.sum(1, keepdim=True).to(w.dtype)  # (L, 1)
+        k = torch.where(capped, torch.full_like(w, cap), rest * (free_w / wsum))  # (L, H)
+        over = (k > cap) & ~capped
+        if not bool(over.any()):
+            break
+        capped = capped | over
+    return k.clamp_max(cap)
+
+
+def layer_first_fill(weights: torch.Tensor, total: float | torch.Tensor, cap: float) -> torch.Tensor:
+    """Budgets (L, H) summing to ``total`` that keep each layer's total where the cap
+    allows: the layer totals are :func:`water_fill` of the rows' sums (each at most
+    ``H·cap``), then each layer's heads share its total by :func:`water_fill_rows`. Why:
+    with fixed layer totals (two-stage routes, ``layer_totals: fixed``) a head that
+    reaches the cap hands its excess to its own layer's heads, where one water fill over
+    every head would hand it to every other layer and move the layer totals."""
+    H = weights.shape[1]
+    totals = water_fill(weights.clamp_min(0).sum(1), total, H * cap)  # (L,)
+    return water_fill_rows(weights, totals, cap)  # (L, H)
+
+
 def floored_weights(shares: torch.Tensor, floor: float) -> torch.Tensor:
     """Weights (L,) of mean 1: ``floor + (1 - floor)·L·share_l`` (shares normalised to sum
     1; all-zero shares give uniform weights). With :func:`water_fill` every layer keeps at
@@ -195,11 +234,17 @@ def allocate_shares(
     return round_exact(alloc, round(min(budget, limit) * L), int(limit))
 
 
-def rescale_budgets(budgets: Sequence[Budget], budget: Budget, free: Sequence[bool] | None = None) -> list[Budget]:
+def rescale_budgets(
+    budgets: Sequence[Budget], budget: Budget, free: Sequence[bool] | None = None, layer_heads: int | None = None
+) -> list[Budget]:
     """A route's per-layer budget shape moved to mean ``budget`` over its ``free`` layers
     (default: all): :func:`water_fill` with the route's budgets as weights, capped at 1.0
     for fractions (token budgets: uncapped, rounded to the exact total). Layers that are
     not free keep the nominal ``budget`` (the engine never compresses them).
+
+    With ``layer_heads`` = H the budgets are (layer, head) entries, H per layer, and the
+    shape is moved by :func:`layer_first_fill`: each layer's total as a per-layer route's,
+    a head at the cap handing its excess to its layer's other heads (fixed layer totals).
 
     A shape already at mean ``budget`` comes back unchanged (no float drift moves a
     token), and rescaling up gives what water filling at the larger mean gives directly.
@@ -219,7 +264,12 @@ def rescale_budgets(budgets: Sequence[Budget], budget: Budget, free: Sequence[bo
             out[i] = budgets[i]
         return out
     cap = 1.0 if is_frac else float(budget) * len(idx)
-    alloc = water_fill(torch.tensor(shape, dtype=torch.float64), budget * len(idx), cap).tolist()
+    weights = torch.tensor(shape, dtype=torch.float64)  # (U,)
+    if layer_heads is not None and layer_heads > 1:  # free units come in whole layers
+        grid = weights.view(-1, layer_heads)  # (U,) -> (L_free, H)
+        alloc = layer_first_fill(grid, budget * len(idx), cap).reshape(-1).tolist()  # (L_free, H) -> (U,)
+    else:
+        alloc = water_fill(weights, budget * len(idx), cap).tolist()
     if not is_frac:
         alloc = round_exact(alloc, budget * len(idx), int(cap))
     for i, b in zip(idx, alloc):
