@@ -107,43 +107,17 @@ def water_fill(weights: torch.Tensor, total: float | torch.Tensor, cap: float) -
     return k.clamp_max(cap)
 
 
-def water_fill_rows(weights: torch.Tensor, totals: torch.Tensor, cap: float) -> torch.Tensor:
-    """:func:`water_fill` of each row on its own: budgets (L, H) with row ``l`` summing to
-    ``totals[l]`` (clipped into [0, H·cap]), ``min(cap, c_l·w_lh)`` with one ``c_l`` per
-    row; a row whose uncapped weights are all 0 shares its rest equally. Differentiable in
-    ``weights`` and ``totals`` on uncapped entries."""
-    w = weights.clamp_min(0)  # (L, H)
-    top = w.detach().amax(1, keepdim=True)  # (L, 1)
-    w = torch.where(top > 0, w / top.clamp_min(torch.finfo(w.dtype).tiny), w)  # only ratios within a row matter
-    L, H = w.shape
-    totals = totals.to(w).clamp(0, H * cap)  # (L,)
-    capped = torch.zeros_like(w, dtype=torch.bool)  # (L, H)
-    k = w
-    for _ in range(H + 1):
-        free_w = w.masked_fill(capped, 0)  # (L, H)
-        wsum = free_w.sum(1, keepdim=True)  # (L, 1)
-        empty = ~(wsum > 0)
-        free_w = torch.where(empty, (~capped).to(w.dtype), free_w)  # nothing to go by: equal shares
-        wsum = torch.where(empty, free_w.sum(1, keepdim=True).clamp_min(1), wsum)
-        rest = totals[:, None] - cap * capped.sum(1, keepdim=True).to(w.dtype)  # (L, 1)
-        k = torch.where(capped, torch.full_like(w, cap), rest * (free_w / wsum))  # (L, H)
-        over = (k > cap) & ~capped
-        if not bool(over.any()):
-            break
-        capped = capped | over
-    return k.clamp_max(cap)
-
-
 def layer_first_fill(weights: torch.Tensor, total: float | torch.Tensor, cap: float) -> torch.Tensor:
     """Budgets (L, H) summing to ``total`` that keep each layer's total where the cap
     allows: the layer totals are :func:`water_fill` of the rows' sums (each at most
-    ``H·cap``), then each layer's heads share its total by :func:`water_fill_rows`. Why:
+    ``H·cap``), then each layer's heads share its total by :func:`water_fill` (as
+    :func:`spread_capped` fills within rows). Why:
     with fixed layer totals (two-stage routes, ``layer_totals: fixed``) a head that
     reaches the cap hands its excess to its own layer's heads, where one water fill over
     every head would hand it to every other layer and move the layer totals."""
     H = weights.shape[1]
     totals = water_fill(weights.clamp_min(0).sum(1), total, H * cap)  # (L,)
-    return water_fill_rows(weights, totals, cap)  # (L, H)
+    return torch.stack([water_fill(row, t, cap) for row, t in zip(weights, totals)])  # (L, H)
 
 
 def floored_weights(shares: torch.Tensor, floor: float) -> torch.Tensor:
