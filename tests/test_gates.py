@@ -374,6 +374,43 @@ def test_seeds_train_what_separate_runs_train_and_prefill_once(tiny_dir, tmp_pat
     assert "e.g. --seeds 0,1,2; got '0 1'" in capsys.readouterr().err
 
 
+def test_seeds_chain_a_first_stage_seed_by_seed(tiny_dir, tmp_path, monkeypatch, capsys):
+    """`init_route=<first>_seed{seed}/route.json --seeds 0,2`: each seed starts from its own
+    first-stage route and trains what a lone run given that file trains; a seed whose route
+    is missing is named in one error, before any prefill."""
+    first = tmp_path / "first"
+    first.mkdir()
+    assert train(write_config(first, tiny_dir, steps=2, save_every=2, learn="budgets", init_method="tova",
+                                       select="last", lr=0.5),
+                 "--seeds", "0,2") == 0
+    routes = {k: first / f"run_seed{k}" / "route.json" for k in (0, 2)}
+    assert Route.from_file(routes[0]).layers != Route.from_file(routes[2]).layers  # the two starts differ
+    second = tmp_path / "second"
+    second.mkdir()
+    template = str(first / "run_seed{seed}" / "route.json")
+    over = dict(steps=2, save_every=2, learn="budgets", init_method="tova", init_route=template)
+    assert train(write_config(second, tiny_dir, **over), "--seeds", "0,2") == 0
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    assert train(write_config(alone, tiny_dir, **{**over, "init_route": str(routes[2]), "train_seed": 2})) == 0
+    out = second / "run_seed2"
+    assert yaml.safe_load((out / "config.yaml").read_text())["init_route"] == str(routes[2])
+    chained, _ = T.load_gates(out / "gates.safetensors")
+    reference, _ = T.load_gates(alone / "run" / "gates.safetensors")
+    assert torch.equal(chained["beta"], reference["beta"])
+    assert Route.from_file(out / "route.json").layers == Route.from_file(alone / "run" / "route.json").layers
+
+    made = []
+    real = Engine.prefill
+    monkeypatch.setattr(Engine, "prefill", lambda *a, **k: made.append(1) or real(*a, **k))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        train(write_config(second, tiny_dir, **over), "--seeds", "0,7", "output=" + str(second / "other"))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "seed 7: init_route" in err and "run_seed7" in err and "seed 0" not in err
+    assert made == [] and not (second / "other_seed0").exists()
+
+
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tiny_dir, tmp_path, monkeypatch):
     cfg = write_config(tmp_path, tiny_dir)
     real = T.answer_loss

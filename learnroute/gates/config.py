@@ -21,6 +21,7 @@ CANDIDATES = ["snapkv", "streaming_llm", "h2o", "tova", "knorm", "expected_atten
 SELECT = ("best_val", "last")
 GRANULARITY = ("layer", "head")
 SEED_SUFFIX = "_seed"  # <name>_seed<k>: a run of optimisation seed k (`train --seeds`, a study's `seeds`)
+SEED_FIELD = "{seed}"  # in init_route: the optimisation seed, so that `train --seeds` chains a first stage's seeds
 @dataclass
 class TrainConfig:
     """What ``learnroute train`` learns, on which calibration samples, and how."""
@@ -115,7 +116,10 @@ class TrainConfig:
                           "the route is written with layer_totals fixed and bench rescales it layers first)"},
     )
     init_route: str | None = field(
-        default=None, metadata={"help": "route file to start from (e.g. a profile route): methods and budget shape"}
+        default=None,
+        metadata={"help": "route file to start from (e.g. a profile route): methods and budget shape. {seed} in it "
+                          "is the optimisation seed (train_seed, else seed), so that --seeds starts each seed from "
+                          "its own route, e.g. a first stage's <output>_seed{seed}/route.json"},
     )
     init_method: str | None = field(
         default=None,
@@ -250,17 +254,18 @@ class TrainConfig:
         problems += self._granularity_problems()
         if self.select not in SELECT:
             problems.append(f"select must be one of {', '.join(SELECT)}, got {self.select!r}")
-        if self.init_route is not None:
+        if (route_file := init_route_file(self)) is not None:
             try:
-                route = Route.from_file(self.init_route)
+                route = Route.from_file(route_file)
             except RouteError as e:
-                problems.append(f"init_route: {e}")
+                seeded = f" ({SEED_FIELD} = {optimisation_seed(self)})" if route_file != self.init_route else ""
+                problems.append(f"init_route{seeded}: {e}")
             else:
                 if route.is_per_head and self.granularity != "head":
-                    problems.append(f"init_route {self.init_route} is a per-head route: with granularity 'layer' "
+                    problems.append(f"init_route {route_file} is a per-head route: with granularity 'layer' "
                                     "gates are per layer (use granularity: head, or a per-layer route)")
                 if any(e.share is not None for e in route.layers):
-                    problems.append(f"init_route {self.init_route} shares layer budgets across heads by scores "
+                    problems.append(f"init_route {route_file} shares layer budgets across heads by scores "
                                     "(share): gates start from fixed budgets")
                 missing = sorted(set(route.methods) - set(self.methods))
                 if missing and self.init_method is None:  # init_method replaces the route's methods
@@ -288,7 +293,7 @@ def adapter_problems(config: TrainConfig) -> list[str]:
             problems.append("learn=none keeps the route fixed: give init_route (a route file) or init_method")
     if config.init_route is not None and config.init_method is None and config.learn == "none":
         try:
-            route = Route.from_file(config.init_route)
+            route = Route.from_file(init_route_file(config))
         except RouteError:
             pass  # reported by the gates' own checks
         else:
@@ -313,4 +318,11 @@ def adapter_problems(config: TrainConfig) -> list[str]:
 def optimisation_seed(config: TrainConfig) -> int:
     """The seed of the optimisation: ``train_seed``, or ``seed`` when it is null."""
     return config.seed if config.train_seed is None else config.train_seed
+
+
+def init_route_file(config: TrainConfig) -> str | None:
+    """``init_route`` with ``{seed}`` replaced by the optimisation seed (None without one)."""
+    if config.init_route is None:
+        return None
+    return config.init_route.replace(SEED_FIELD, str(optimisation_seed(config)))
 

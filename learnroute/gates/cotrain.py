@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from learnroute import adapter as _adapter
-from learnroute.gates.config import TrainConfig, optimisation_seed
+from learnroute.gates.config import TrainConfig, init_route_file, optimisation_seed
 from learnroute.gates.gates import Gates
 from learnroute.route import LayerRoute, Route, RouteError
 
@@ -42,7 +42,7 @@ def fixed_route(config: TrainConfig, model: str | None, n_layers: int) -> Route:
     """The route ``learn: none`` trains for: ``init_route``, or ``init_method`` in every
     layer at the first training budget (both: the route's budgets with ``init_method``)."""
     if config.init_route is not None:
-        route = Route.from_file(config.init_route)
+        route = Route.from_file(init_route_file(config))
         route.check_layers(n_layers, "the model")
         if config.init_method is not None:
             route.layers = [LayerRoute(config.init_method, e.budget) for e in route.layers]

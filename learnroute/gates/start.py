@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 from learnroute.gates import cotrain
-from learnroute.gates.config import TrainConfig
+from learnroute.gates.config import TrainConfig, init_route_file
 from learnroute.gates.gates import Gates
 from learnroute.route import Route
 
@@ -22,7 +22,7 @@ def init_from(
     ``free`` layers (those routes compress; default all)."""
     if config.init_route is None:
         return ([config.init_method] * n_layers if config.init_method is not None else None), None
-    route = Route.from_file(config.init_route)
+    route = Route.from_file(init_route_file(config))
     route.check_layers(n_layers, "the model")
     free = [True] * n_layers if free is None else free
     if route.is_per_head and n_heads > 1:  # one unit per (layer, head): the gates' own layout

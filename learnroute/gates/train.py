@@ -43,7 +43,9 @@ import torch
 from learnroute.config import ConfigError
 from learnroute.gates import cotrain
 from learnroute.gates.checkpoint import checkpoint_meta, latest_checkpoint, load_gates, save_gates
-from learnroute.gates.config import CANDIDATES, SEED_SUFFIX, SELECT, TrainConfig, optimisation_seed
+from learnroute.gates.config import (
+    CANDIDATES, SEED_FIELD, SEED_SUFFIX, SELECT, TrainConfig, init_route_file, optimisation_seed,
+)
 from learnroute.gates.gates import Gates
 from learnroute.gates.start import init_from, build_gates
 from learnroute.methods.budgets import Budget, mean_tokens
@@ -546,8 +548,8 @@ def run_train(config: TrainConfig, overwrite: bool = False, progress: bool = Tru
 
 
 def seed_configs(config: TrainConfig, seeds: list[int]) -> list[TrainConfig]:
-    """``config`` once per optimisation seed: ``train_seed=k``, ``output=<output>_seed<k>``.
-    Raises :class:`ConfigError` listing what is wrong with ``seeds``."""
+    """``config`` once per optimisation seed: ``train_seed=k``, ``output=<output>_seed<k>``,
+    ``{seed}`` in ``init_route`` replaced by ``k``. Raises :class:`ConfigError` listing what is wrong with ``seeds``."""
     problems = []
     if not seeds:
         problems.append("--seeds needs at least one seed, e.g. --seeds 0,1,2")
@@ -559,7 +561,14 @@ def seed_configs(config: TrainConfig, seeds: list[int]) -> list[TrainConfig]:
         problems.append(f"train_seed={config.train_seed} and --seeds both set the optimisation seed; drop one")
     if problems:
         raise ConfigError("; ".join(problems))
-    return [replace(config, train_seed=s, output=f"{config.output}{SEED_SUFFIX}{s}") for s in seeds]
+    configs = [replace(config, train_seed=s, output=f"{config.output}{SEED_SUFFIX}{s}") for s in seeds]
+    # each seed's own start ({seed} in init_route), written out so that its config.yaml names the file
+    configs = [replace(c, init_route=init_route_file(c)) for c in configs]
+    if config.init_route is not None and SEED_FIELD in config.init_route:  # every seed's start exists, before any run
+        problems = [f"seed {c.train_seed}: {p}" for c in configs for p in c.validate() if p.startswith("init_route")]
+        if problems:
+            raise ConfigError("; ".join(problems))
+    return configs
 
 
 def run_train_seeds(
