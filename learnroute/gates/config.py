@@ -325,4 +325,3 @@ def init_route_file(config: TrainConfig) -> str | None:
     if config.init_route is None:
         return None
     return config.init_route.replace(SEED_FIELD, str(optimisation_seed(config)))
-
