@@ -380,9 +380,9 @@ def test_seeds_chain_a_first_stage_seed_by_seed(tiny_dir, tmp_path, monkeypatch,
     is missing is named in one error, before any prefill."""
     first = tmp_path / "first"
     first.mkdir()
-    assert train(write_config(first, tiny_dir, steps=2, save_every=2, learn="budgets", init_method="tova",
-                                       select="last", lr=0.5),
-                 "--seeds", "0,2") == 0
+    stage1 = write_config(first, tiny_dir, steps=2, save_every=2, learn="budgets", init_method="tova",
+                          select="last", lr=0.5)  # select the last step, so that the seeds' routes differ
+    assert train(stage1, "--seeds", "0,2") == 0
     routes = {k: first / f"run_seed{k}" / "route.json" for k in (0, 2)}
     assert Route.from_file(routes[0]).layers != Route.from_file(routes[2]).layers  # the two starts differ
     second = tmp_path / "second"
