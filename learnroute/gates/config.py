@@ -181,6 +181,28 @@ class TrainConfig:
                                 f"got {self.learn!r}")
         return problems
 
+    def init_route_problems(self) -> list[str]:
+        """What is wrong with ``init_route`` (``{seed}`` resolved): a missing or unreadable
+        file, a route these gates cannot start from."""
+        problems = []
+        if (route_file := init_route_file(self)) is not None:
+            try:
+                route = Route.from_file(route_file)
+            except RouteError as e:
+                seeded = f" ({SEED_FIELD} = {optimisation_seed(self)})" if route_file != self.init_route else ""
+                problems.append(f"init_route{seeded}: {e}")
+            else:
+                if route.is_per_head and self.granularity != "head":
+                    problems.append(f"init_route {route_file} is a per-head route: with granularity 'layer' "
+                                    "gates are per layer (use granularity: head, or a per-layer route)")
+                if any(e.share is not None for e in route.layers):
+                    problems.append(f"init_route {route_file} shares layer budgets across heads by scores "
+                                    "(share): gates start from fixed budgets")
+                missing = sorted(set(route.methods) - set(self.methods))
+                if missing and self.init_method is None:  # init_method replaces the route's methods
+                    problems.append(f"init_route uses methods {missing} that are not candidates {self.methods}")
+        return problems
+
     def validate(self) -> list[str]:
         """Problems that need no model."""
         problems = []
@@ -254,22 +276,7 @@ class TrainConfig:
         problems += self._granularity_problems()
         if self.select not in SELECT:
             problems.append(f"select must be one of {', '.join(SELECT)}, got {self.select!r}")
-        if (route_file := init_route_file(self)) is not None:
-            try:
-                route = Route.from_file(route_file)
-            except RouteError as e:
-                seeded = f" ({SEED_FIELD} = {optimisation_seed(self)})" if route_file != self.init_route else ""
-                problems.append(f"init_route{seeded}: {e}")
-            else:
-                if route.is_per_head and self.granularity != "head":
-                    problems.append(f"init_route {route_file} is a per-head route: with granularity 'layer' "
-                                    "gates are per layer (use granularity: head, or a per-layer route)")
-                if any(e.share is not None for e in route.layers):
-                    problems.append(f"init_route {route_file} shares layer budgets across heads by scores "
-                                    "(share): gates start from fixed budgets")
-                missing = sorted(set(route.methods) - set(self.methods))
-                if missing and self.init_method is None:  # init_method replaces the route's methods
-                    problems.append(f"init_route uses methods {missing} that are not candidates {self.methods}")
+        problems += self.init_route_problems()
         if self.init_method is not None and self.init_method not in self.methods:
             problems.append(f"init_method {self.init_method!r} is not one of the candidates {self.methods}")
         if self.learn == "budgets" and self.init_route is None and self.init_method is None:

@@ -549,7 +549,8 @@ def run_train(config: TrainConfig, overwrite: bool = False, progress: bool = Tru
 
 def seed_configs(config: TrainConfig, seeds: list[int]) -> list[TrainConfig]:
     """``config`` once per optimisation seed: ``train_seed=k``, ``output=<output>_seed<k>``,
-    ``{seed}`` in ``init_route`` replaced by ``k``. Raises :class:`ConfigError` listing what is wrong with ``seeds``."""
+    ``{seed}`` in ``init_route`` replaced by ``k``. Raises :class:`ConfigError` listing what is
+    wrong with ``seeds``."""
     problems = []
     if not seeds:
         problems.append("--seeds needs at least one seed, e.g. --seeds 0,1,2")
@@ -565,7 +566,7 @@ def seed_configs(config: TrainConfig, seeds: list[int]) -> list[TrainConfig]:
     # each seed's own start ({seed} in init_route), written out so that its config.yaml names the file
     configs = [replace(c, init_route=init_route_file(c)) for c in configs]
     if config.init_route is not None and SEED_FIELD in config.init_route:  # every seed's start exists, before any run
-        problems = [f"seed {c.train_seed}: {p}" for c in configs for p in c.validate() if p.startswith("init_route")]
+        problems = [f"seed {c.train_seed}: {p}" for c in configs for p in c.init_route_problems()]
         if problems:
             raise ConfigError("; ".join(problems))
     return configs
