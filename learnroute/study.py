@@ -106,8 +106,9 @@ class StudyConfig:
     seeds: list[int] | None = field(
         default=None,
         metadata={"help": "extra optimisation seeds (train_seed) of the main variant: each trained on the same "
-                          "samples, benched as <main>_seed<k>; study.md gives the spread over seeds beside the "
-                          "intervals over samples"},
+                          "samples, benched as <main>_seed<k>; a later-stage main (init_route @variant:<first>) "
+                          "trains <first>_seed<k> too and starts from it; study.md gives the spread over seeds "
+                          "beside the intervals over samples"},
     )
     imported_routes: dict[str, str] = field(
         default_factory=dict,
@@ -229,16 +230,49 @@ class StudyConfig:
                                 "other families (their eval answers would no longer be out-of-family)")
         return problems
 
+    def _stages(self) -> list[str]:
+        """The main variant's chain of stages, first to last: the variants its ``init_route``
+        names with ``@variant:``, recursively, then the main variant itself."""
+        chain = [self.main_variant]
+        while True:
+            source = self.variants.get(chain[0], {}).get("init_route")
+            if not (isinstance(source, str) and source.startswith(VARIANT_TOKEN)):
+                return chain
+            source = source[len(VARIANT_TOKEN):]
+            if source in chain or source not in self.variants:  # check() reports a bad name
+                return chain
+            chain.insert(0, source)
+
     def seeded_variants(self) -> dict[str, dict[str, Any]]:
         """The variants ``seeds`` adds: the main variant's overrides again per optimisation
-        seed, named ``<main>_seed<k>``."""
-        main = self.variants.get(self.main_variant, {})
-        return {f"{self.main_variant}{SEED_SUFFIX}{k}": {**main, "train_seed": k} for k in self.seeds or []}
+        seed, named ``<main>_seed<k>``. A main variant that is a later stage (``init_route:
+        "@variant:<first>"``) is the whole recipe again per seed: ``<first>_seed<k>`` trains
+        with seed k and ``<main>_seed<k>`` starts from it, as ``train --seeds`` with
+        ``{seed}`` in ``init_route`` does (docs/results.md §0.21), so that the spread over
+        seeds is the recipe's, not only its last stage's."""
+        chain, out = self._stages(), {}
+        for k in self.seeds or []:
+            for i, name in enumerate(chain):
+                over = {**self.variants.get(name, {}), "train_seed": k}
+                if i > 0:  # start from this seed's own earlier stage
+                    over["init_route"] = f"{VARIANT_TOKEN}{chain[i - 1]}{SEED_SUFFIX}{k}"
+                out[f"{name}{SEED_SUFFIX}{k}"] = over
+        return out
 
     @property
     def seed_variants(self) -> set[str]:
-        """The names of :meth:`seeded_variants`."""
-        return set(self.seeded_variants())
+        """The names of the main variant's seeds among :meth:`seeded_variants` (its spread)."""
+        return {f"{self.main_variant}{SEED_SUFFIX}{k}" for k in self.seeds or []}
+
+    @property
+    def stage_seed_variants(self) -> dict[str, str]:
+        """Each seed of the main variant -> its own untrained start, where that start is a
+        seed of an earlier stage (empty when the main variant is a first stage: its seeds
+        share its start, train_seed changing the optimisation only)."""
+        chain = self._stages()
+        if len(chain) < 2:
+            return {}
+        return {f"{self.main_variant}{SEED_SUFFIX}{k}": f"{chain[-2]}{SEED_SUFFIX}{k}" for k in self.seeds or []}
 
     def variant_configs(self, out: Path, check: bool = False) -> dict[str, dict[str, Any]]:
         """Per variant the TrainConfig data: defaults <- ``train`` <- the variant's own keys,
@@ -486,7 +520,7 @@ class _Stages:
                 export_cli(run, routes / f"{route_name(name)}.json")
                 if name in self.config.mixture_of:
                     export_cli(run, routes / f"{route_name(name)}_mixture.json", mixture=True)
-                if _warm(data) and name not in self.config.seed_variants:  # the control: the variant untrained (once)
+                if _warm(data) and name not in self.config.seeded_variants():  # the control: the variant untrained (once)
                     start = f"{route_name(name)}{START}"
                     route = export_start(run, routes / f"{start}.json")
                     # Variants that differ only in training (a penalty, a floor, a stream) share
@@ -519,7 +553,7 @@ class _Stages:
         for name, data in variants.items():
             names = [route_name(name)] + ([f"{route_name(name)}_mixture"] if name in config.mixture_of else [])
             start = f"{route_name(name)}{START}"
-            names += [start] if _warm(data) and name not in config.seed_variants and start not in shared else []
+            names += [start] if _warm(data) and name not in config.seeded_variants() and start not in shared else []
             # A variant trained for one budget (per_budget) is benched at that budget only,
             # in the protocols that have that budget.
             pin = ""
@@ -649,6 +683,9 @@ def _answers(config: StudyConfig, rows: list[dict], main: str, budgets: list[Bud
     variant_routes = {route_name(v) for v in config.variants}
     starts = {f"{r}{START}": r for r in variant_routes}  # each warm variant's untrained start -> it
     seeds = {route_name(v) for v in config.seed_variants}
+    # a later-stage main's seeds each start from their own seed of the earlier stage
+    seed_start = {route_name(v): route_name(s) for v, s in config.stage_seed_variants.items()}
+    stage_seeds = {route_name(v) for v in config.seeded_variants()} - seeds
     full_task, valid = solved_tasks(rows)
     all_tasks = not any(s >= VALID_FULL for s in full_task.values())  # say so in the tables
     scores = sample_scores(rows, valid)
@@ -695,7 +732,7 @@ def _answers(config: StudyConfig, rows: list[dict], main: str, budgets: list[Bud
                 r: paired(scores[(r, bk)], m, config.bootstrap)
                 for r in routes
                 if (r.startswith("learned") or r.startswith(IMPORTED)) and r != main
-                and (r not in starts or r in variant_routes) and r not in seeds
+                and (r not in starts or r in variant_routes) and r not in seeds and r not in stage_seeds
                 and (r, bk) in scores
             }
             seeded = [main] + [r for r in routes if r in seeds and (r, bk) in scores]
@@ -706,17 +743,21 @@ def _answers(config: StudyConfig, rows: list[dict], main: str, budgets: list[Bud
                     "min": min(means), "max": max(means),
                     "sd": (sum((x - mean(means)) ** 2 for x in means) / (len(means) - 1)) ** 0.5,
                 }
-                # every seed against the main's references; the seeds share its start
-                # (train_seed changes the optimisation, not the initialisation)
-                # and the seeds pooled (a sample's score: the mean over seeds), so that the
-                # recipe, not one draw, is paired with intervals over samples
+                # every seed against the main's references, and the seeds pooled (a sample's
+                # score: the mean over seeds), so that the recipe, not one draw, is paired with
+                # intervals over samples. Q8 pairs each seed with its own start: the main's
+                # (train_seed changes the optimisation, not the initialisation), or for a
+                # later-stage main its seed's earlier stage; pooled, the starts pooled alike
                 pool = pooled([scores[(r, bk)] for r in seeded])
                 entry["seeds"]["pooled"] = {"avg": mean(pool.values()) if pool else None, "n": len(pool)}
-                for key, ref in (("q1", best_h), ("q2", "profile_alloc"), ("q8", f"{main}{START}")):
-                    if (ref, bk) in scores:
-                        entry["seeds"][key] = {r: paired(scores[(r, bk)], scores[(ref, bk)], config.bootstrap)
+                own = {r: seed_start.get(r, f"{main}{START}") for r in seeded}
+                refs = {"q1": dict.fromkeys(seeded, best_h), "q2": dict.fromkeys(seeded, "profile_alloc"), "q8": own}
+                for key, ref in refs.items():
+                    if all((x, bk) in scores for x in ref.values()):
+                        entry["seeds"][key] = {r: paired(scores[(r, bk)], scores[(ref[r], bk)], config.bootstrap)
                                                for r in seeded}
-                        entry["seeds"]["pooled"][key] = paired(pool, scores[(ref, bk)], config.bootstrap)
+                        base = pooled([scores[(ref[r], bk)] for r in seeded])
+                        entry["seeds"]["pooled"][key] = paired(pool, base, config.bootstrap)
             entry["best_homogeneous_rel_full"] = h / f if f else None
         # The ceiling: the full cache minus each reference of Q1 and Q2. Where the full cache
         # itself does not beat a reference, a route beats it only by answering what the full

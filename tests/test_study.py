@@ -606,6 +606,42 @@ def test_routes_are_told_apart_by_what_they_are_not_by_their_suffix():
     assert set(e["seeds"]["routes"]) == {"learned", "learned_seed1"}
 
 
+def test_the_seeds_of_a_second_stage_main_variant_train_the_whole_recipe_again(tmp_path):
+    """A main variant that starts from another's route (two stages) is a recipe of two
+    trainings: its seed k trains the first stage with seed k and starts from that, not from
+    the first stage of seed 0 (as `train --seeds` with {seed} in init_route does), and Q8
+    pairs each seed with its own first stage; only the second stage's seeds make the spread.
+    Hand-computed on four all-or-nothing samples."""
+    config = load_config(S.StudyConfig, overrides=[
+        "variants={first: {init_method: snapkv}, second: {init_route: '@variant:first', lr: 0.02}}",
+        "main_variant=second", "seeds=[1, 2]", "budgets=[0.1]"])
+    cfgs = config.variant_configs(tmp_path)
+    assert list(cfgs) == ["first", "second", "first_seed1", "second_seed1", "first_seed2", "second_seed2"]
+    for k in (1, 2):
+        assert cfgs[f"first_seed{k}"]["train_seed"] == cfgs[f"second_seed{k}"]["train_seed"] == k
+        assert cfgs[f"first_seed{k}"]["init_method"] == "snapkv" and cfgs[f"second_seed{k}"]["lr"] == 0.02
+        assert cfgs[f"second_seed{k}"]["init_route"] == str(tmp_path / "train" / f"first_seed{k}" / "route.json")
+    assert cfgs["second"]["init_route"] == str(tmp_path / "train" / "first" / "route.json")
+    assert config.seed_variants == {"second_seed1", "second_seed2"}
+    scores = {"full": [1, 1, 1, 1], "homogeneous:snapkv": [0, 0, 0, 1],
+              "learned_second": [1, 1, 1, 0], "learned_second_start": [1, 0, 0, 0],
+              "learned_second_seed1": [1, 1, 0, 0], "learned_second_seed2": [0, 1, 1, 1],
+              "learned_first": [1, 0, 0, 0], "learned_first_seed1": [0, 0, 0, 0], "learned_first_seed2": [1, 1, 1, 1]}
+    rows = [{"sample_id": f"s{i}", "task": "niah_single_1", "route": route, "budget": None if route == "full" else 0.1,
+             "score": float(x)} for route, xs in scores.items() for i, x in enumerate(xs)]
+    e = S._answers(config, rows, "learned_second", [0.1])["budgets"][0]
+    sd = e["seeds"]
+    assert set(sd["routes"]) == {"learned_second", "learned_second_seed1", "learned_second_seed2"}
+    assert sd["q8"]["learned_second"]["diff"] == pytest.approx(0.75 - 0.25)  # its own start
+    assert sd["q8"]["learned_second_seed1"]["diff"] == pytest.approx(0.5 - 0.0)  # first_seed1
+    assert sd["q8"]["learned_second_seed2"]["diff"] == pytest.approx(0.75 - 1.0)  # first_seed2
+    # pooled: seeds (2/3, 1, 2/3, 1/3) against their starts pooled (2/3, 1/3, 1/3, 1/3)
+    assert sd["pooled"]["q8"]["diff"] == pytest.approx((0 + 2 / 3 + 1 / 3 + 0) / 4)
+    assert sd["q1"]["learned_second_seed2"]["diff"] == pytest.approx(0.75 - 0.25)
+    # the first stage's seeds are the recipe's parts, not variants of their own to answer
+    assert not {"learned_first_seed1", "learned_first_seed2"} & set(e["q6_variants"])
+
+
 def test_every_training_seed_is_answered_against_the_main_routes_start_and_the_profile_route():
     """The spread over seeds is read beside each seed's own paired differences: a seed of a
     warm-started main shares its start (train_seed changes the optimisation only), so Q8
