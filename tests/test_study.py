@@ -642,6 +642,36 @@ def test_the_seeds_of_a_second_stage_main_variant_train_the_whole_recipe_again(t
     assert not {"learned_first_seed1", "learned_first_seed2"} & set(e["q6_variants"])
 
 
+def test_a_second_stage_main_variant_with_seeds_runs_end_to_end(tiny_dir, tmp_path):
+    """The two-stage recipe as a study's main variant with a seed: the first stage trains
+    again with that seed, the second starts from that run's route, both are benched, and
+    study.json pairs the seed with its own first stage."""
+    cfg = {"model": str(tiny_dir), "context_tokens": 200,
+           "calibration": {"niah_single_1": 2, "niah_multikey": 2}, "eval_tasks": {"niah_single_2": 2},
+           "budgets": [0.25], "methods": ["snapkv", "tova"], "pyramid": [], "placements": 0, "bootstrap": 100,
+           "max_new_tokens": 3, "seeds": [1], "main_variant": "split", "output": str(tmp_path / "s"),
+           "train": {"steps": 2, "batch_size": 2, "eval_every": 2, "save_every": 2, "lr": 0.3, "select": "last"},
+           "variants": {"first": {"learn": "budgets", "init_method": "@profile_best"},
+                        "split": {"learn": "budgets", "init_method": "@profile_best", "granularity": "head",
+                                  "layer_totals": "fixed", "init_route": "@variant:first"}}}
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(cfg))
+    assert main(["study", "--config", str(tmp_path / "s.yaml")]) == 0
+    out = tmp_path / "s"
+    seeded = yaml.safe_load((out / "train" / "split_seed1" / "config.yaml").read_text())
+    assert seeded["train_seed"] == 1 and seeded["init_route"] == str(out / "train" / "first_seed1" / "route.json")
+    assert yaml.safe_load((out / "train" / "first_seed1" / "config.yaml").read_text())["train_seed"] == 1
+    benched = {r["route"].rsplit("/", 1)[-1] for r in read_jsonl(out / "bench_agnostic" / "results.jsonl")}
+    assert {"learned_first_seed1.json", "learned_split_seed1.json"} <= benched
+    assert "learned_first_seed1_start.json" not in benched and "learned_split_seed1_start.json" not in benched
+    sd = json.loads((out / "study.json").read_text())["protocols"]["agnostic"]["budgets"][0]["seeds"]
+    assert set(sd["routes"]) == {"learned_split", "learned_split_seed1"}
+    rows = [r for r in read_jsonl(out / "bench_agnostic" / "results.jsonl") if r["budget"] == 0.25]
+    mean_of = {name: sum(r["score"] for r in rows if r["route"].endswith(f"/{name}.json")) / 2
+               for name in ("learned_split_seed1", "learned_first_seed1")}
+    assert sd["q8"]["learned_split_seed1"]["diff"] == pytest.approx(
+        mean_of["learned_split_seed1"] - mean_of["learned_first_seed1"])
+
+
 def test_every_training_seed_is_answered_against_the_main_routes_start_and_the_profile_route():
     """The spread over seeds is read beside each seed's own paired differences: a seed of a
     warm-started main shares its start (train_seed changes the optimisation only), so Q8
