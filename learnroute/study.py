@@ -676,6 +676,29 @@ def _label(route: str) -> str:
     return stem if route.endswith(".json") else route
 
 
+def _seed_answers(scores: dict, bk: str, seeded: list[str], refs: dict[str, dict[str, str]],
+                  bootstrap: int) -> dict[str, Any]:
+    """The main variant's training seeds at one budget: each seed's average, the spread, each
+    seed minus its reference per question (``refs``: question -> seed -> reference route),
+    and the seeds pooled (a sample's score the mean over seeds) minus the references pooled
+    alike, so that the recipe, not one draw, is paired with intervals over samples. Q8's
+    reference is each seed's own start: the main's (train_seed changes the optimisation, not
+    the initialisation), or for a later-stage main its seed's earlier stage."""
+    means = [mean(scores[(r, bk)].values()) for r in seeded]
+    out: dict[str, Any] = {
+        "routes": dict(zip(seeded, means)),
+        "min": min(means), "max": max(means),
+        "sd": (sum((x - mean(means)) ** 2 for x in means) / (len(means) - 1)) ** 0.5,
+    }
+    pool = pooled([scores[(r, bk)] for r in seeded])
+    out["pooled"] = {"avg": mean(pool.values()) if pool else None, "n": len(pool)}
+    for key, ref in refs.items():
+        if all((x, bk) in scores for x in ref.values()):
+            out[key] = {r: paired(scores[(r, bk)], scores[(ref[r], bk)], bootstrap) for r in seeded}
+            out["pooled"][key] = paired(pool, pooled([scores[(ref[r], bk)] for r in seeded]), bootstrap)
+    return out
+
+
 def _answers(config: StudyConfig, rows: list[dict], main: str, budgets: list[Budget]) -> dict[str, Any]:
     """Questions 1-3, 5, 6, 8 and the controls per budget over ``rows`` (one protocol, one
     set of eval tasks): the tasks the full cache solves, averages, paired intervals."""
@@ -737,27 +760,10 @@ def _answers(config: StudyConfig, rows: list[dict], main: str, budgets: list[Bud
             }
             seeded = [main] + [r for r in routes if r in seeds and (r, bk) in scores]
             if len(seeded) > 1:  # the spread over optimisation seeds, beside the intervals over samples
-                means = [avg[r] for r in seeded]
-                entry["seeds"] = {
-                    "routes": {r: avg[r] for r in seeded},
-                    "min": min(means), "max": max(means),
-                    "sd": (sum((x - mean(means)) ** 2 for x in means) / (len(means) - 1)) ** 0.5,
-                }
-                # every seed against the main's references, and the seeds pooled (a sample's
-                # score: the mean over seeds), so that the recipe, not one draw, is paired with
-                # intervals over samples. Q8 pairs each seed with its own start: the main's
-                # (train_seed changes the optimisation, not the initialisation), or for a
-                # later-stage main its seed's earlier stage; pooled, the starts pooled alike
-                pool = pooled([scores[(r, bk)] for r in seeded])
-                entry["seeds"]["pooled"] = {"avg": mean(pool.values()) if pool else None, "n": len(pool)}
                 own = {r: seed_start.get(r, f"{main}{START}") for r in seeded}
-                refs = {"q1": dict.fromkeys(seeded, best_h), "q2": dict.fromkeys(seeded, "profile_alloc"), "q8": own}
-                for key, ref in refs.items():
-                    if all((x, bk) in scores for x in ref.values()):
-                        entry["seeds"][key] = {r: paired(scores[(r, bk)], scores[(ref[r], bk)], config.bootstrap)
-                                               for r in seeded}
-                        base = pooled([scores[(ref[r], bk)] for r in seeded])
-                        entry["seeds"]["pooled"][key] = paired(pool, base, config.bootstrap)
+                entry["seeds"] = _seed_answers(scores, bk, seeded, {"q1": dict.fromkeys(seeded, best_h),
+                                               "q2": dict.fromkeys(seeded, "profile_alloc"), "q8": own},
+                                               config.bootstrap)
             entry["best_homogeneous_rel_full"] = h / f if f else None
         # The ceiling: the full cache minus each reference of Q1 and Q2. Where the full cache
         # itself does not beat a reference, a route beats it only by answering what the full
