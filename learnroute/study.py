@@ -268,11 +268,14 @@ class StudyConfig:
     def stage_seed_variants(self) -> dict[str, str]:
         """Each seed of the main variant -> its own untrained start, where that start is a
         seed of an earlier stage (empty when the main variant is a first stage: its seeds
-        share its start, train_seed changing the optimisation only)."""
-        chain = self._stages()
-        if len(chain) < 2:
-            return {}
-        return {f"{self.main_variant}{SEED_SUFFIX}{k}": f"{chain[-2]}{SEED_SUFFIX}{k}" for k in self.seeds or []}
+        share its start, train_seed changing the optimisation only). Read off the init_route
+        :meth:`seeded_variants` gives each seed."""
+        seeded, out = self.seeded_variants(), {}
+        for name in self.seed_variants:
+            source = seeded[name].get("init_route")
+            if isinstance(source, str) and source.startswith(VARIANT_TOKEN) and source[len(VARIANT_TOKEN):] in seeded:
+                out[name] = source[len(VARIANT_TOKEN):]
+        return out
 
     def variant_configs(self, out: Path, check: bool = False) -> dict[str, dict[str, Any]]:
         """Per variant the TrainConfig data: defaults <- ``train`` <- the variant's own keys,
@@ -515,12 +518,13 @@ class _Stages:
             routes.mkdir(exist_ok=True)
             shared: dict[str, str] = {}  # start -> an identical earlier start, benched in its place
             starts: list[tuple[str, Route]] = []
+            seeded = self.config.seeded_variants()  # no untrained start of their own
             for name, data in variants.items():
                 run = Path(data["output"])
                 export_cli(run, routes / f"{route_name(name)}.json")
                 if name in self.config.mixture_of:
                     export_cli(run, routes / f"{route_name(name)}_mixture.json", mixture=True)
-                if _warm(data) and name not in self.config.seeded_variants():  # the control: the variant untrained (once)
+                if _warm(data) and name not in seeded:  # the control: the variant untrained (once)
                     start = f"{route_name(name)}{START}"
                     route = export_start(run, routes / f"{start}.json")
                     # Variants that differ only in training (a penalty, a floor, a stream) share
@@ -544,6 +548,7 @@ class _Stages:
         config, prof = self.config, self.out / "profile"
         budgets = config.protocol_budgets(protocol)
         shared = shared_starts(routes)
+        seeded = config.seeded_variants()  # benched without an untrained start of their own
         specs = ["full"] + [f"homogeneous:{m}" for m in config.methods] + [f"pyramid:{m}" for m in config.pyramid]
         if config.profile_all_budgets:  # each budget's profile routes at that budget only
             specs += [str(prof / f"profile_{b}{s}.json@{b}") for b in budgets for s in ("", "_alloc")]
@@ -553,7 +558,7 @@ class _Stages:
         for name, data in variants.items():
             names = [route_name(name)] + ([f"{route_name(name)}_mixture"] if name in config.mixture_of else [])
             start = f"{route_name(name)}{START}"
-            names += [start] if _warm(data) and name not in config.seeded_variants() and start not in shared else []
+            names += [start] if _warm(data) and name not in seeded and start not in shared else []
             # A variant trained for one budget (per_budget) is benched at that budget only,
             # in the protocols that have that budget.
             pin = ""
