@@ -10,7 +10,7 @@ unfinished after ``park_after`` tokens aside and finishes them together. This ti
 identical shapes only (``max_padding=1``, no parking), padded (4, no parking), and padded
 with parking (the defaults: 4, 12).
 
-Workload (like ``configs/study/full.yaml``'s bench): default model, one ~1k-token needle
+Workload (like ``experiments/study/full.yaml``'s bench): default model, one ~1k-token needle
 sample, 48 new tokens at most; at each of five budgets, the eight candidate methods
 homogeneous (one shape), PyramidKV-shaped SnapKV, and ``--allocated`` routes of one
 method whose per-layer budgets are random around the mean (each its own shape), plus the

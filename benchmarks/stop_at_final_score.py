@@ -8,7 +8,7 @@ a route that found the needle still pays for every remaining step. ``stop_at_fin
 such answers leave their batch. This times ``engine.answer`` on the same prefills with
 and without it, alternating, in one process, and checks every score is unchanged.
 
-Workload (like ``configs/study/full.yaml``'s bench): default model, ~1k-token samples of
+Workload (like ``experiments/study/full.yaml``'s bench): default model, ~1k-token samples of
 the given tasks (eval split, seed 1), 48 new tokens at most, the full cache and the eight
 candidate methods homogeneous at five budgets (41 routes).
 

@@ -1,7 +1,7 @@
 """Study entry: parses and calls the library, as ``learnroute study`` does.
 
     python eval/study.py --config configs/study/default.yaml
-    python eval/study.py --config configs/study/full.yaml placements=100
+    python eval/study.py --config experiments/study/full.yaml placements=100
 """
 
 import sys
