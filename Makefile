@@ -24,7 +24,7 @@ install: $(STAMP)
 # then its answers to questions 1-5 as a table. Its samples are sharded over RANKS
 # processes of THREADS threads each (torchrun): on 2 cores a gates step takes 0.79 s on
 # one thread and 0.58 s on two (benchmarks/adapter_step.py --threads 1, --threads 2), so
-# two one-thread processes do about 1.5x the work of one two-thread process (docs §2.0).
+# two one-thread processes do about 1.5x the work of one two-thread process (docs/log.md §2.0).
 # One process where CUDA is available (one GPU); `make run RANKS=1` forces it.
 RANKS ?= $(shell $(BIN)/python -c 'import torch; print(1 if torch.cuda.is_available() else 2)' 2>/dev/null || echo 2)
 THREADS ?= $(shell n=$$(( $$(nproc) / $(RANKS) )); echo $$(( n > 0 ? n : 1 )))

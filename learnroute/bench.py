@@ -106,7 +106,7 @@ class BenchConfig:
             problems.append(f"routes is empty; valid forms: {', '.join(ROUTE_KINDS)}")
         for spec in self.routes:
             problems += route_spec_problems(spec)
-        problems += check_tasks(list(self.tasks), "eval", self.longbench_dir)
+        problems += check_tasks(dict(self.tasks), "eval", self.longbench_dir)
         for name, n in self.tasks.items():
             if n < 1:
                 problems.append(f"tasks.{name}: sample count must be >= 1, got {n}")

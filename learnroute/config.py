@@ -154,11 +154,21 @@ def from_dict(cls: type[T], data: dict[str, Any], problems: list[str] | None = N
     values = {}
     for name, value in data.items():
         if name in fields:
-            values[name] = _check(value, hints[name], name, problems)
-    if not problems:
+            mine: list[str] = []
+            checked = _check(value, hints[name], name, mine)
+            problems += mine
+            if not mine:  # an ill-typed value is reported above; its default stands in below
+                values[name] = checked
+    # Value checks run even when keys are unknown or ill-typed, so that one error lists
+    # every problem (`steps=-3 foo=1` reports both). Where a value was ill-typed its
+    # default stands in, which validate() may accept or (for a cross-field rule) not.
+    try:
         config = cls(**values)
+    except (TypeError, ValueError) as e:  # a __post_init__ refusing the combination
+        problems.append(str(e))
+    else:
         validate = getattr(config, "validate", None)
-        problems += validate() if validate else []
+        problems += [p for p in (validate() if validate else []) if p not in problems]
         if not problems:
             return config
     raise ConfigError(f"invalid {cls.__name__}:\n  " + "\n  ".join(problems))

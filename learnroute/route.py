@@ -362,7 +362,7 @@ class Route:
         caps each head at that many times its layer's mean head budget (the excess to the
         layer's other heads, as the gates' cap); then ``layer_mean`` gives every head its
         layer's mean. Methods and mixtures stay. A probe, not a trained route: a floor or cap
-        put on after training is not one trained with (docs/results.md §0.13)."""
+        put on after training is not one trained with (docs/log.md §0.13)."""
         problems = []
         if floor is not None and not 0.0 <= floor < 1.0:
             problems.append(f"floor must be in [0, 1), got {floor}")

@@ -196,14 +196,20 @@ def prepare_folder(config: Any, overwrite: bool, is_main: bool, growable: tuple[
         if not overwrite:
             raise ConfigError(conflict)
         if is_main:
-            aside = out.with_name(f"{out.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
-            shutil.move(str(out), aside)
-            print(f"moved the previous run in {out} to {aside}", file=sys.stderr)
+            move_aside(out)
     if is_main:
         out.mkdir(parents=True, exist_ok=True)
         atomic_write(saved, yaml.safe_dump(resolved, sort_keys=False))
         _record_start(out / "versions.json")
     return out
+
+
+def move_aside(out: Path) -> Path:
+    """Move a run folder to ``<output>.replaced-<time>`` (never deleted); returns where."""
+    aside = out.with_name(f"{out.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
+    shutil.move(str(out), aside)
+    print(f"moved the previous run in {out} to {aside}", file=sys.stderr)
+    return aside
 
 
 def folder_conflict(config: Any, growable: tuple[str, ...] = ()) -> str | None:

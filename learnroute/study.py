@@ -94,9 +94,10 @@ class StudyConfig:
         default_factory=dict, metadata={"help": "TrainConfig overrides shared by every variant (steps, lr, ...)"}
     )
     variants: dict[str, dict[str, Any]] = field(
-        default_factory=lambda: {"learned": {}},
+        default_factory=lambda: {"learned": {"init_method": "@profile_best"}},
         metadata={
-            "help": "variant -> TrainConfig overrides; init_route may be @profile or @profile_alloc, or "
+            "help": "variant -> TrainConfig overrides (the default: the recommended recipe, TrainConfig's "
+            "defaults, over this study's profile's best method); init_route may be @profile or @profile_alloc, or "
             "@variant:<name>, the trained route of a variant listed before (a second stage), "
             "init_method @profile_best (the method with the least mean damage in the profile)"
         },
@@ -150,8 +151,8 @@ class StudyConfig:
 
     def validate(self) -> list[str]:
         problems = []
-        problems += [f"calibration: {p}" for p in check_tasks(list(self.calibration), "calibration")]
-        problems += [f"eval_tasks: {p}" for p in check_tasks(list(self.eval_tasks), "eval")]
+        problems += [f"calibration: {p}" for p in check_tasks(dict(self.calibration), "calibration")]
+        problems += [f"eval_tasks: {p}" for p in check_tasks(dict(self.eval_tasks), "eval")]
         for name, tasks in (("calibration", self.calibration), ("eval_tasks", self.eval_tasks)):
             for t, n in tasks.items():
                 if n < 1:
@@ -248,7 +249,7 @@ class StudyConfig:
         seed, named ``<main>_seed<k>``. A main variant that is a later stage (``init_route:
         "@variant:<first>"``) is the whole recipe again per seed: ``<first>_seed<k>`` trains
         with seed k and ``<main>_seed<k>`` starts from it, as ``train --seeds`` with
-        ``{seed}`` in ``init_route`` does (docs/results.md §0.21), so that the spread over
+        ``{seed}`` in ``init_route`` does (docs/log.md §0.21), so that the spread over
         seeds is the recipe's, not only its last stage's."""
         chain, out = self._stages(), {}
         for k in self.seeds or []:
@@ -303,7 +304,7 @@ class StudyConfig:
             # Before the profile exists its files cannot be read: in the check, a method stands
             # in for a token, so that a fixed-method variant (learn=budgets or none) starting
             # from the profile's best method or from its route is checked as given a start.
-            fixed = data.get("learn") in ("budgets", "none")
+            fixed = data.get("learn", TrainConfig.learn) in ("budgets", "none")
             for key in ("init_route", "init_method"):
                 value = data.get(key)
                 if not (isinstance(value, str) and value.startswith("@")):
@@ -320,7 +321,7 @@ class StudyConfig:
                     if value not in TOKENS:
                         raise ConfigError(f"variant {name!r}: unknown study token {value!r}; valid: {', '.join(TOKENS)}")
                     data[key] = None if check else self._resolve_token(out, value, data["budgets"])
-                if check and fixed and (key == "init_method" or data.get("init_method") is None):
+                if check and fixed and (key == "init_method" or data.get("init_method", TrainConfig.init_method) is None):
                     data["init_method"] = self.methods[0]  # stands in until the profile (or source variant) exists
             out_cfgs[name] = data
         return out_cfgs
@@ -402,8 +403,10 @@ def shared_starts(routes: Path) -> dict[str, str]:
 
 
 def _warm(variant: dict[str, Any]) -> bool:
-    """Does a variant start from a route or a method (so that its untrained start is a route to bench)?"""
-    return variant.get("init_route") is not None or variant.get("init_method") is not None
+    """Does a variant start from a route or a method (so that its untrained start is a route
+    to bench)? Keys it leaves out have TrainConfig's defaults (the recipe starts from keydiff)."""
+    return (variant.get("init_route", TrainConfig.init_route) is not None
+            or variant.get("init_method", TrainConfig.init_method) is not None)
 
 
 def _safe(name: str) -> str:
@@ -772,7 +775,7 @@ def _answers(config: StudyConfig, rows: list[dict], main: str, budgets: list[Bud
             entry["best_homogeneous_rel_full"] = h / f if f else None
         # The ceiling: the full cache minus each reference of Q1 and Q2. Where the full cache
         # itself does not beat a reference, a route beats it only by answering what the full
-        # cache gets wrong, so a tie there says little about the route (docs/results.md §0.15).
+        # cache gets wrong, so a tie there says little about the route (docs/log.md §0.15).
         if full:
             entry["headroom"] = {
                 ref: paired(full, scores[(name, bk)], config.bootstrap)
@@ -783,7 +786,8 @@ def _answers(config: StudyConfig, rows: list[dict], main: str, budgets: list[Bud
         # adakv:<best homogeneous method>. When the main route is itself per-head there is no
         # per-layer main to beat (vs_main is None for it): Q6 reads the per-layer variants
         # against it instead
-        heads = [route_name(v) for v, d in config.variants.items() if d.get("granularity") == "head"]
+        heads = [route_name(v) for v, d in config.variants.items()
+                 if {**config.train, **d}.get("granularity", TrainConfig.granularity) == "head"]
         ada = entry.get("adakv_best")
         entry["q9_per_head"] = {
             r: {"vs_main": paired(scores[(r, bk)], scores[(main, bk)], config.bootstrap)

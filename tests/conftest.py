@@ -63,3 +63,8 @@ def tiny_dir(tmp_path_factory, tokenizer):
     make_tiny(tokenizer).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+# The per-layer recipe that was TrainConfig's default before the recommended one (issue 57):
+# tests of per-layer mixtures over methods that need no keydiff candidate pin it.
+PER_LAYER = {"learn": "both", "granularity": "layer", "init_method": None, "stages": "one"}

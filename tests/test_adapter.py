@@ -23,7 +23,7 @@ from learnroute.gates import train as T
 from learnroute.gates.export import export_cli
 from learnroute.route import Route
 from learnroute.runs import read_jsonl
-from tests.conftest import make_tiny
+from tests.conftest import PER_LAYER, make_tiny
 
 TARGETS = A.ATTENTION_TARGETS + A.MLP_TARGETS
 
@@ -235,6 +235,7 @@ def write_config(tmp_path: Path, model_dir, **over) -> Path:
         "lora_targets": TARGETS,
         "adapter_lr": 0.01,
         "output": str(tmp_path / "run"),
+        **PER_LAYER,
     }
     cfg.update(over)
     path = tmp_path / "train.yaml"
@@ -335,7 +336,7 @@ def test_joint_training_resumes_like_an_uninterrupted_run(tiny_dir, tmp_path, mo
 
 def test_bad_adapter_train_config_is_one_error(tmp_path):
     with pytest.raises(ConfigError) as e:
-        load_config(T.TrainConfig, overrides=["learn=none", "lora_rank=0", "adapter_lr=0", "lora_targets=[]"])
+        load_config(T.TrainConfig, overrides=["learn=none", "init_method=null", "lora_rank=0", "adapter_lr=0", "lora_targets=[]"])
     msg = str(e.value)
     for part in ("learn=none trains nothing but an adapter", "learn=none keeps the route fixed"):
         assert part in msg, part

@@ -102,3 +102,14 @@ def test_placement_config_collects_the_bench_problems(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
     # A good config still loads.
     assert load_config(PlacementConfig, None, [f"route={route}"]).bench_config().max_batch == 32
+
+
+def test_unknown_keys_and_invalid_values_come_in_one_error():
+    """`steps=-3 budgets=[1.5] foo=1`: the unknown key and both bad values, in one message."""
+    from learnroute.gates.config import TrainConfig
+
+    with pytest.raises(ConfigError) as e:
+        load_config(TrainConfig, None, ["steps=-3", "budgets=[1.5]", "foo=1", "lr=fast"])
+    msg = str(e.value)
+    for part in ["'foo'", "steps must be >= 1, got -3", "budgets: ", "1.5", "lr: expected a number"]:
+        assert part in msg, (part, msg)

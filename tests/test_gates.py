@@ -31,6 +31,7 @@ from learnroute.methods.scorers import TOVA
 from learnroute.route import Route, RouteError
 from learnroute.runs import read_jsonl
 from learnroute.tasks import make_samples
+from tests.conftest import PER_LAYER
 
 BAD_LAYERS = {18}
 
@@ -72,6 +73,7 @@ def write_config(tmp_path: Path, model_dir, **over) -> Path:
         "eval_every": 3,
         "save_every": 2,
         "output": str(tmp_path / "run"),
+        **PER_LAYER,
     }
     cfg.update(over)
     path = tmp_path / "train.yaml"

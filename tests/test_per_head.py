@@ -253,7 +253,7 @@ def test_what_runs_per_layer_only_refuses_per_head_routes_before_any_forward(tmp
         RoutedPress(Route.adakv("snapkv", 4, 0.2))
     path = per_head_route().to_file(tmp_path / "r.json")
     with pytest.raises(ConfigError, match="is a per-head route: with granularity .layer. gates are per layer"):
-        from_dict(TrainConfig, {"init_route": str(path), "learn": "budgets"})
+        from_dict(TrainConfig, {"init_route": str(path), "learn": "budgets", "granularity": "layer"})
 
 
 # ---------------------------------------------------------------------------- Ada-KV
@@ -428,13 +428,13 @@ def test_per_head_gates_start_from_a_per_head_route_or_a_per_layer_one(tmp_path)
                    LayerRoute.per_head([LayerRoute("tova", 0.25), LayerRoute("snapkv", 0.15)])])
     path = route.to_file(tmp_path / "r.json")
     cfg = from_dict(TrainConfig, {"init_route": str(path), "granularity": "head", "methods": ["snapkv", "tova", "knorm"],
-                                  "budget_floor": 0.0})
+                                  "init_method": None, "budget_floor": 0.0})
     start = build_gates(cfg, 3, [True] * 3, n_heads=2).harden(0.2, 1000)
     got = [[(h.method, round(h.budget, 6)) for h in e.head_entries(2)] for e in start.layers]
     assert got == [[(h.method, h.budget) for h in e.head_entries(2)] for e in route.layers]
     layered = Route.from_layers(["tova", "snapkv", "knorm"], [0.1, 0.3, 0.2]).to_file(tmp_path / "l.json")
     cfg = from_dict(TrainConfig, {"init_route": str(layered), "granularity": "head",
-                                  "methods": ["snapkv", "tova", "knorm"], "budget_floor": 0.0})
+                                  "methods": ["snapkv", "tova", "knorm"], "init_method": None, "budget_floor": 0.0})
     start = build_gates(cfg, 3, [True] * 3, n_heads=2).harden(0.2, 1000)
     assert [h.budget for e in start.layers for h in e.head_entries(2)] == pytest.approx([0.1, 0.1, 0.3, 0.3, 0.2, 0.2])
 
@@ -446,13 +446,14 @@ def test_granularity_problems_are_named(tmp_path):
     with pytest.raises(ConfigError, match="granularity must be one of layer, head"):
         from_dict(TrainConfig, {"granularity": "kv"})
     with pytest.raises(ConfigError, match=r"head_spread=1.5 limits per-head budgets: it needs granularity: head"):
-        from_dict(TrainConfig, {"head_spread": 1.5})
+        from_dict(TrainConfig, {"granularity": "layer", "head_spread": 1.5})
     with pytest.raises(ConfigError, match=r"head_spread must be >= 1"):
         from_dict(TrainConfig, {"granularity": "head", "head_spread": 0.5})
-    with pytest.raises(ConfigError, match="granularity: head needs gates that train"):
-        from_dict(TrainConfig, {"granularity": "head", "learn": "none", "init_method": "snapkv"})
+    # learn: none freezes the gates at a per-layer route: the recipe's granularity does not apply
+    frozen = from_dict(TrainConfig, {"granularity": "head", "learn": "none", "init_method": "snapkv", "adapter": True})
+    assert not frozen.per_head_gates
     with pytest.raises(ConfigError, match="layer_totals=fixed keeps per-layer budgets .* needs granularity: head"):
-        from_dict(TrainConfig, {"layer_totals": "fixed"})
+        from_dict(TrainConfig, {"granularity": "layer", "layer_totals": "fixed"})
     with pytest.raises(ConfigError, match="layer_totals must be one of learn, fixed"):
         from_dict(TrainConfig, {"granularity": "head", "layer_totals": "frozen"})
     ada = Route.adakv("snapkv", 4, 0.2).to_file(tmp_path / "a.json")

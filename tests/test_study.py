@@ -15,6 +15,7 @@ from learnroute.cli import main
 from learnroute.config import ConfigError, load_config
 from learnroute.route import Route
 from learnroute.runs import read_jsonl
+from tests.conftest import PER_LAYER
 
 
 def study_config(tmp_path, tiny_dir):
@@ -28,7 +29,8 @@ def study_config(tmp_path, tiny_dir):
         "protocols": ["agnostic", "aware"],
         "methods": ["snapkv", "tova", "knorm"],
         "pyramid": [],  # the control pyramid:<best homogeneous method> runs anyway
-        "train": {"steps": 3, "batch_size": 2, "eval_every": 3, "save_every": 3, "lr": 0.3, "select": "last"},
+        "train": {**PER_LAYER, "steps": 3, "batch_size": 2, "eval_every": 3, "save_every": 3, "lr": 0.3,
+                  "select": "last"},
         "variants": {
             "learned": {},
             "budgets_only": {"learn": "budgets", "init_method": "@profile_best"},
@@ -478,9 +480,9 @@ def test_study_accepts_a_fixed_method_variant_that_starts_from_a_profile_route(v
 
 def test_study_still_refuses_a_fixed_method_variant_with_no_start():
     with pytest.raises(ConfigError, match="learn=budgets keeps the methods fixed"):
-        load_config(S.StudyConfig, overrides=["variants={learned: {}, v: {learn: budgets}}"])
+        load_config(S.StudyConfig, overrides=["variants={learned: {}, v: {learn: budgets, init_method: null}}"])
     with pytest.raises(ConfigError, match="learn=none keeps the route fixed"):
-        load_config(S.StudyConfig, overrides=["variants={learned: {}, v: {learn: none, adapter: true}}"])
+        load_config(S.StudyConfig, overrides=["variants={learned: {}, v: {learn: none, adapter: true, init_method: null}}"])
 
 
 def test_out_of_family_tasks_must_stay_unseen(tmp_path, tiny_dir):
@@ -650,7 +652,7 @@ def test_a_second_stage_main_variant_with_seeds_runs_end_to_end(tiny_dir, tmp_pa
            "calibration": {"niah_single_1": 2, "niah_multikey": 2}, "eval_tasks": {"niah_single_2": 2},
            "budgets": [0.25], "methods": ["snapkv", "tova"], "pyramid": [], "placements": 0, "bootstrap": 100,
            "max_new_tokens": 3, "seeds": [1], "main_variant": "split", "output": str(tmp_path / "s"),
-           "train": {"steps": 2, "batch_size": 2, "eval_every": 2, "save_every": 2, "lr": 0.3, "select": "last"},
+           "train": {**PER_LAYER, "steps": 2, "batch_size": 2, "eval_every": 2, "save_every": 2, "lr": 0.3, "select": "last"},
            "variants": {"first": {"learn": "budgets", "init_method": "@profile_best"},
                         "split": {"learn": "budgets", "init_method": "@profile_best", "granularity": "head",
                                   "layer_totals": "fixed", "init_route": "@variant:first"}}}

@@ -6,7 +6,7 @@ the adapter co-training, export), so they import it one way.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from learnroute import adapter as _adapter
 from learnroute.gates.gates import LAYER_TOTALS, LEARN, MIXING
@@ -14,6 +14,7 @@ from learnroute.gates.topk import RELAXATIONS
 from learnroute.methods.registry import METHODS
 from learnroute.route import Route, RouteError, budget_problem
 from learnroute.runs import device_problem
+from learnroute.tasks.ruler import TASKS
 from learnroute.tasks.suite import calibration_problems
 
 Budget = int | float
@@ -22,14 +23,32 @@ SELECT = ("best_val", "last")
 GRANULARITY = ("layer", "head")
 SEED_SUFFIX = "_seed"  # <name>_seed<k>: a run of optimisation seed k (`train --seeds`, a study's `seeds`)
 SEED_FIELD = "{seed}"  # in init_route: the optimisation seed, so that `train --seeds` chains a first stage's seeds
+STAGES = ("auto", "one", "two")
+# From this context length on, `stages: auto` trains the recommended recipe in two stages
+# (per-layer budgets, then their split over each layer's KV heads): at 4096 tokens two
+# stages beat one out of family at 6, 10 and 35 % kept and tied it in family, on the eval
+# samples they were chosen on and on fresh ones; at 1024 tokens they were not better
+# (docs/results.md, "The recommended recipe"). 2048 was not measured: it gets one stage.
+TWO_STAGES_FROM_TOKENS = 4096
+FIRST_STAGE = "first_stage"  # <output>/first_stage/: a two-stage run's first stage
+
+
 @dataclass
 class TrainConfig:
-    """What ``learnroute train`` learns, on which calibration samples, and how."""
+    """What ``learnroute train`` learns, on which calibration samples, and how.
+
+    The defaults are the recommended recipe (docs/results.md): per-head budgets learned
+    over keydiff from uniform budgets, lr 0.03, 150 steps, one route for five budgets, and
+    ``stages: auto`` (two stages from :data:`TWO_STAGES_FROM_TOKENS` context tokens on).
+    ``configs/train/default.yaml`` writes the same values out.
+    """
 
     model: str | None = field(default=None, metadata={"help": "HF model folder or hub id; null = bundled SmolLM2"})
     tasks: dict[str, int] = field(
-        default_factory=lambda: {"niah_single_2": 4, "niah_multikey": 4},
-        metadata={"help": "synthetic task -> number of calibration samples (train + validation)"},
+        default_factory=lambda: {f"niah_{t}": 6 for t in ("single_1", "single_2", "single_3", "multikey",
+                                                             "multivalue", "multiquery")},
+        metadata={"help": "task -> number of calibration samples (train + validation): a generated family "
+                          "(niah_single_2, ...) or your own records, jsonl:PATH (their calibration split)"},
     )
     context_tokens: int = field(default=1024, metadata={"help": "context length of the calibration samples (tokens)"})
     seed: int = field(default=0, metadata={"help": "seed of the calibration sample stream, the split and training"})
@@ -47,20 +66,27 @@ class TrainConfig:
         default=0.25, metadata={"help": "share of calibration samples held out to pick the step (0 = none)"}
     )
     methods: list[str] = field(default_factory=lambda: list(CANDIDATES), metadata={"help": "candidate methods"})
-    learn: str = field(default="both", metadata={"help": "both | methods | budgets (methods fixed at init)"})
+    learn: str = field(default="budgets", metadata={"help": "both | methods | budgets (methods fixed at init)"})
     granularity: str = field(
-        default="layer",
+        default="head",
         metadata={"help": "layer: one gate (π and budget share) per layer | head: one per (layer, KV head), "
                           "exported as a per-head route (every registered method scores per KV head)"},
     )
     mixing: str = field(default="score", metadata={"help": "score: mix ranks then soft top-k; mask: mix soft masks"})
     relaxation: str = field(default="sigmoid", metadata={"help": "differentiable top-k: sigmoid | sinkhorn"})
     budgets: list[Budget] = field(
-        default_factory=lambda: [0.1, 0.2],
+        default_factory=lambda: [0.075, 0.1, 0.15, 0.2, 0.4],
         metadata={"help": "mean budgets, one drawn per step (tokens per KV head or fractions); one = per-budget"},
     )
-    steps: int = field(default=200, metadata={"help": "optimiser steps"})
-    batch_size: int = field(default=4, metadata={"help": "calibration samples per step (split across processes)"})
+    stages: str = field(
+        default="auto",
+        metadata={"help": "one | two | auto. two: first per-layer budgets (into <output>/first_stage), then "
+                          "per-head budgets that keep its layer totals (layer_totals fixed, starting from its "
+                          "route); needs granularity head, learn budgets or both, no init_route. auto: two "
+                          f"from context_tokens >= {TWO_STAGES_FROM_TOKENS} where the recipe allows, else one"},
+    )
+    steps: int = field(default=150, metadata={"help": "optimiser steps"})
+    batch_size: int = field(default=2, metadata={"help": "calibration samples per step (split across processes)"})
     stream: int = field(
         default=0,
         metadata={"help": "fresh calibration samples drawn per step from the calibration split of the families in "
@@ -72,10 +98,10 @@ class TrainConfig:
         metadata={"help": "with stream: batches of batch_size drawn from the last stream_pool drawn samples "
                           "(their prefills reused); 0 = each step trains on its stream fresh samples"},
     )
-    lr: float = field(default=0.02, metadata={"help": "AdamW learning rate"})
+    lr: float = field(default=0.03, metadata={"help": "AdamW learning rate"})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
     gate_temperature: list[float] = field(
-        default_factory=lambda: [1.0, 0.05], metadata={"help": "π temperature [start, end], geometric annealing"}
+        default_factory=lambda: [0.2, 0.05], metadata={"help": "π temperature [start, end], geometric annealing"}
     )
     topk_temperature: list[float] = field(
         default_factory=lambda: [0.5, 0.05],
@@ -122,10 +148,10 @@ class TrainConfig:
                           "its own route, e.g. a first stage's <output>_seed{seed}/route.json"},
     )
     init_method: str | None = field(
-        default=None,
+        default="keydiff",
         metadata={
             "help": "one method in every layer to start from (learn=budgets needs this or init_route); "
-            "with init_route too, the route gives only the budget shape"
+            "with init_route too, the route gives only the budget shape; null with learn: both = cold start"
         },
     )
     init_logit: float = field(default=4.0, metadata={"help": "logit of a layer's initial method when warm-starting"})
@@ -148,28 +174,35 @@ class TrainConfig:
     adapter_lr: float = field(default=1e-3, metadata={"help": "adapter: AdamW learning rate"})
     # --- end adapter
     eps: float = field(default=1e-6, metadata={"help": "the bias is log(mask + eps)"})
-    eval_every: int = field(default=25, metadata={"help": "evaluate the hardened route on validation every N steps"})
+    eval_every: int = field(default=15, metadata={"help": "evaluate the hardened route on validation every N steps"})
     select: str = field(default="best_val", metadata={"help": "best_val: export the best validated step; last"})
     save_every: int = field(default=50, metadata={"help": "checkpoint every N steps"})
     query_aware: bool = field(default=False, metadata={"help": "put the question in the prefill (scored)"})
     device: str = field(default="auto", metadata={"help": "auto | cpu | cuda"})
-    output: str = field(default="runs/train", metadata={"help": "run folder"})
+    output: str = field(default="runs/train/default", metadata={"help": "run folder"})
     wandb: bool = field(default=False, metadata={"help": "log to Weights & Biases (offline without network)"})
     wandb_project: str = field(default="learnroute", metadata={"help": "wandb project"})
+
+    @property
+    def per_head_gates(self) -> bool:
+        """Whether the gates are per (layer, KV head). ``learn: none`` freezes the gates at
+        a per-layer route, so granularity (a default of the recipe) does not apply to it."""
+        return self.granularity == "head" and self.learn != "none"
 
     def _granularity_problems(self) -> list[str]:
         problems = []
         if self.granularity not in GRANULARITY:
             problems.append(f"granularity must be one of {', '.join(GRANULARITY)}, got {self.granularity!r}")
-        elif self.granularity == "head" and self.learn == "none":
-            problems.append("granularity: head needs gates that train (learn: both, methods or budgets); "
-                            "learn: none trains an adapter for a fixed route")
         if self.head_spread is not None:
             if not self.head_spread >= 1.0:
                 problems.append(f"head_spread must be >= 1 (a head's budget over its layer's mean), got {self.head_spread}")
             if self.granularity != "head":
                 problems.append(f"head_spread={self.head_spread} limits per-head budgets: it needs granularity: head, "
                                 f"got {self.granularity!r}")
+        if self.stages not in STAGES:
+            problems.append(f"stages must be one of {', '.join(STAGES)}, got {self.stages!r}")
+        elif self.stages == "two" and (why := two_stage_conflicts(self)):
+            problems.append(f"stages: two trains per-layer budgets, then their split over heads: {why}")
         if self.layer_totals not in LAYER_TOTALS:
             problems.append(f"layer_totals must be one of {', '.join(LAYER_TOTALS)}, got {self.layer_totals!r}")
         elif self.layer_totals == "fixed":
@@ -192,7 +225,7 @@ class TrainConfig:
                 seeded = f" ({SEED_FIELD} = {optimisation_seed(self)})" if route_file != self.init_route else ""
                 problems.append(f"init_route{seeded}: {e}")
             else:
-                if route.is_per_head and self.granularity != "head":
+                if route.is_per_head and not self.per_head_gates:
                     problems.append(f"init_route {route_file} is a per-head route: with granularity 'layer' "
                                     "gates are per layer (use granularity: head, or a per-layer route)")
                 if any(e.share is not None for e in route.layers):
@@ -249,6 +282,9 @@ class TrainConfig:
             problems.append("stream_pool needs stream >= 1 (fresh samples per step) to fill the pool")
         elif self.stream and self.stream_pool and self.stream_pool < self.stream:
             problems.append(f"stream_pool ({self.stream_pool}) must hold at least one step's stream ({self.stream})")
+        if self.stream and (fixed := [t for t in self.tasks if t not in TASKS]):
+            problems.append(f"stream draws fresh samples of generated families; {fixed} are read from files "
+                            f"(a stream needs tasks among: {', '.join(TASKS)})")
         if self.val_tasks is not None:
             problems += calibration_problems(self.val_tasks, "val_tasks")
             if overlap := sorted(set(self.val_tasks) & set(self.tasks)):
@@ -278,7 +314,8 @@ class TrainConfig:
             problems.append(f"select must be one of {', '.join(SELECT)}, got {self.select!r}")
         problems += self.init_route_problems()
         if self.init_method is not None and self.init_method not in self.methods:
-            problems.append(f"init_method {self.init_method!r} is not one of the candidates {self.methods}")
+            problems.append(f"init_method {self.init_method!r} is not one of the candidates {self.methods}: add it "
+                            "to methods or start from one of them (init_method: null with learn: both = cold start)")
         if self.learn == "budgets" and self.init_route is None and self.init_method is None:
             problems.append("learn=budgets keeps the methods fixed: give init_method or init_route")
         if (p := device_problem(self.device)) is not None:
@@ -332,3 +369,39 @@ def init_route_file(config: TrainConfig) -> str | None:
     if config.init_route is None:
         return None
     return config.init_route.replace(SEED_FIELD, str(optimisation_seed(config)))
+
+
+def two_stage_conflicts(config: TrainConfig) -> str | None:
+    """Why ``config`` cannot train in two stages (None when it can)."""
+    why = []
+    if config.granularity != "head":
+        why.append(f"it needs granularity: head, got {config.granularity!r}")
+    if config.learn not in ("both", "budgets"):
+        why.append(f"it needs learn: budgets or both, got {config.learn!r}")
+    if config.init_route is not None:
+        why.append("its second stage starts from the first stage's route, so init_route must be null")
+    if config.layer_totals != "learn":
+        why.append("its first stage learns the layer totals, so layer_totals must be learn")
+    if config.adapter:
+        why.append("it trains no adapter (adapter: false)")
+    return "; ".join(why) or None
+
+
+def resolved_stages(config: TrainConfig) -> int:
+    """How many stages ``config`` trains: ``stages`` one or two as given; auto two from
+    :data:`TWO_STAGES_FROM_TOKENS` context tokens on when the recipe allows it, else one."""
+    if config.stages == "auto":
+        return 2 if config.context_tokens >= TWO_STAGES_FROM_TOKENS and two_stage_conflicts(config) is None else 1
+    return 2 if config.stages == "two" else 1
+
+
+def stage_configs(config: TrainConfig) -> list[TrainConfig]:
+    """The runs ``config`` trains, first to last, each with ``stages: one``: itself, or a
+    per-layer first stage in ``<output>/first_stage`` and the per-head second stage in
+    ``<output>`` that keeps the first stage's layer totals and starts from its route."""
+    if resolved_stages(config) == 1:
+        return [replace(config, stages="one")]
+    first = replace(config, stages="one", granularity="layer", head_spread=None,
+                    output=f"{config.output}/{FIRST_STAGE}")
+    second = replace(config, stages="one", layer_totals="fixed", init_route=f"{first.output}/route.json")
+    return [first, second]

@@ -44,13 +44,13 @@ from learnroute.config import ConfigError
 from learnroute.gates import cotrain
 from learnroute.gates.checkpoint import checkpoint_meta, latest_checkpoint, load_gates, save_gates
 from learnroute.gates.config import (
-    CANDIDATES, SEED_FIELD, SEED_SUFFIX, SELECT, TrainConfig, init_route_file, optimisation_seed,
+    CANDIDATES, SEED_FIELD, SEED_SUFFIX, SELECT, TrainConfig, init_route_file, optimisation_seed, stage_configs,
 )
 from learnroute.gates.gates import Gates
 from learnroute.gates.start import init_from, build_gates
 from learnroute.methods.budgets import Budget, mean_tokens
 from learnroute.route import Route, RouteError
-from learnroute.runs import folder_conflict, process_state
+from learnroute.runs import folder_conflict, move_aside, process_state
 
 __all__ = ["CANDIDATES", "SELECT", "TrainConfig", "TrainingError", "run_train", "run_train_seeds", "shared_calibration"]
 logger = logging.getLogger("learnroute.train")
@@ -239,7 +239,7 @@ def _setup(config: TrainConfig, overwrite: bool, progress: bool) -> _Run:
     model.to(acc.device)
     engine = Engine(model, tokenizer, query_aware=config.query_aware)
     # a warm-start route for another layer (or head) count fails here, before any prefill
-    init_from(config, engine.n_layers, n_heads=engine.n_kv_heads if config.granularity == "head" else 1)
+    init_from(config, engine.n_layers, n_heads=engine.n_kv_heads if config.per_head_gates else 1)
     return _Run(config, acc, out, log, model, engine, model_name(model), progress)
 
 
@@ -362,7 +362,7 @@ class _Trainer:
         first = next(iter(items.values())) if items else self.stream.item(*self.stream.drawn(0)[0])
         engine = run.engine
         free = [not engine.is_fixed(layer, int(first.kv[layer][0].shape[2]), first.n_tokens) for layer in range(engine.n_layers)]
-        heads = engine.n_kv_heads if config.granularity == "head" else 1  # gates per layer
+        heads = engine.n_kv_heads if config.per_head_gates else 1  # gates per layer
         self.gates = build_gates(config, engine.n_layers, free, heads).to(run.acc.device)
         self.meta = checkpoint_meta(config, run.name, engine.n_layers, heads)
         self.params = [p for p in (self.gates.theta, self.gates.beta) if p.requires_grad]
@@ -531,10 +531,41 @@ class _Trainer:
 
 def run_train(config: TrainConfig, overwrite: bool = False, progress: bool = True) -> Path:
     """Train gates on calibration samples into ``config.output``; resumes from the latest
-    checkpoint of an interrupted run with the same config. Stages: set-up, split,
-    prefill, optimisation (resume, steps, validation, checkpoints), export and plots.
-    With ``stream``, training samples are drawn fresh as it goes (:class:`_Stream`)."""
+    checkpoint of an interrupted run with the same config.
+
+    A two-stage recipe (``stages``, :func:`~learnroute.gates.config.stage_configs`) trains
+    its per-layer first stage into ``<output>/first_stage`` and then the per-head second
+    stage from its route into ``<output>``, sharing one prefill of the calibration samples.
+    Every stage's folder is checked before the first starts; ``overwrite`` moves the whole
+    run aside once (a second stage must not resume from another first stage's route).
+    """
+    stages = stage_configs(config)
+    if len(stages) == 1:
+        return _train_one(stages[0], overwrite, progress)
+    conflicts = [c for cfg in stages if (c := folder_conflict(cfg))]
+    if conflicts and not overwrite:
+        raise ConfigError("; ".join(conflicts))
+    if conflicts:
+        state = process_state()
+        if state.is_main_process:
+            move_aside(Path(config.output))
+        state.wait_for_everyone()
+    with shared_calibration():
+        for cfg in stages:
+            out = _train_one(cfg, False, progress)
+            process_state().wait_for_everyone()  # rank 0 writes route.json last: the next stage reads it
+    return out
+
+
+def _train_one(config: TrainConfig, overwrite: bool, progress: bool) -> Path:
+    """One training run (one stage). Its steps: set-up, split, prefill, optimisation (resume,
+    steps, validation, checkpoints), export and plots. With ``stream``, training samples
+    are drawn fresh as it goes (:class:`_Stream`)."""
     run = _setup(config, overwrite, progress)
+    if config.init_route is not None and config.init_method is not None:
+        # the recipe's init_method (keydiff) is a default a user giving a route may not expect
+        run.log.info("starting from the budgets of %s with %s in every layer (init_method; "
+                     "init_method: null keeps the route's methods)", init_route_file(config), config.init_method)
     pairs, train_idx, val_idx = _split(run)
     rank, world = run.acc.process_index, run.acc.num_processes
     mine = [] if config.stream else train_idx[rank::world]  # a stream prefills its samples as it goes
@@ -582,7 +613,7 @@ def run_train_seeds(
     tokens on 2 CPU cores that is 12 minutes a seed). Every run folder is checked before
     the first run starts, so a conflict in the last one does not wait for the others."""
     configs = seed_configs(config, seeds)
-    if not overwrite and (conflicts := [c for cfg in configs if (c := folder_conflict(cfg))]):
+    if not overwrite and (conflicts := [c for cfg in configs for st in stage_configs(cfg) if (c := folder_conflict(st))]):
         raise ConfigError("; ".join(conflicts))
     outs = []
     with shared_calibration():

@@ -1,7 +1,8 @@
 """One namespace for every task the benchmark and the profiler can load.
 
 Synthetic RULER-style tasks go by their name (``niah_single_2``); LongBench datasets by
-``longbench/<dataset>`` (``longbench/narrativeqa``), read from local JSONL files.
+``longbench/<dataset>`` (``longbench/narrativeqa``), read from local JSONL files; a user's
+own records by ``jsonl:PATH`` (:mod:`learnroute.tasks.custom`), for calibration and eval.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from learnroute.tasks.custom import PREFIX as CUSTOM
+from learnroute.tasks.custom import custom_problems, is_custom, load_custom
 from learnroute.tasks.ruler import TASKS, Sample, make_samples
 
 LONGBENCH = "longbench/"
@@ -18,18 +21,26 @@ def task_names() -> list[str]:
     """Every valid task name."""
     from learnroute.tasks.longbench import LONGBENCH_TASKS
 
-    return list(TASKS) + [LONGBENCH + name for name in LONGBENCH_TASKS]
+    return list(TASKS) + [LONGBENCH + name for name in LONGBENCH_TASKS] + [CUSTOM + "PATH (your own records)"]
 
 
-def check_tasks(names: list[str], split: str, longbench_dir: str | os.PathLike | None = None) -> list[str]:
-    """Problems with a task list (unknown names, missing LongBench files), without loading anything."""
+def check_tasks(
+    names: list[str] | dict[str, int], split: str, longbench_dir: str | os.PathLike | None = None
+) -> list[str]:
+    """Problems with a task list (unknown names, missing LongBench files, unusable custom data
+    files), without loading a model. Given ``{task: count}``, a custom data file must also
+    hold that many records of ``split``."""
     from learnroute.tasks.longbench import LONGBENCH_TASKS, default_data_dir
 
+    counts = names if isinstance(names, dict) else {}
     problems = []
     if not names:
         problems.append("the task list is empty; valid tasks: " + ", ".join(task_names()))
     for name in names:
-        if name.startswith(LONGBENCH):
+        if is_custom(name):
+            n = counts.get(name)
+            problems += custom_problems(name, split, n if isinstance(n, int) and n >= 1 else None)
+        elif name.startswith(LONGBENCH):
             dataset = name[len(LONGBENCH) :]
             path = Path(longbench_dir or default_data_dir()) / f"{dataset}.jsonl"
             if dataset.removesuffix("_e") not in LONGBENCH_TASKS:
@@ -68,11 +79,13 @@ def load_task(
     seed: int = 0,
     longbench_dir: str | Path | None = None,
 ) -> list[Sample]:
-    """``n`` samples of task ``name``: generated (RULER-style) or read (LongBench).
+    """``n`` samples of task ``name``: generated (RULER-style) or read (LongBench, custom data).
 
-    ``n_tokens`` is the target context length of generated samples and the
-    middle-truncation limit of LongBench prompts.
+    ``n_tokens`` is the target context length of generated samples, the
+    middle-truncation limit of LongBench prompts and of custom data contexts.
     """
+    if is_custom(name):
+        return load_custom(name, tokenizer, n, n_tokens, split)
     if name.startswith(LONGBENCH):
         from learnroute.tasks.longbench import load_longbench
 
@@ -87,7 +100,7 @@ def calibration_problems(tasks: dict[str, int], where: str = "tasks") -> list[st
     problems = []
     if not tasks:
         problems.append("the calibration set is empty: give at least one task with a sample count >= 1")
-    problems += [p for p in check_tasks(list(tasks), "calibration") if "empty" not in p]
+    problems += [p for p in check_tasks(dict(tasks), "calibration") if "task list is empty" not in p]
     for name, n in tasks.items():
         if n < 1:
             problems.append(f"{where}.{name}: sample count must be >= 1, got {n}")
