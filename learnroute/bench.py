@@ -48,7 +48,7 @@ class BenchConfig:
     model: str | None = field(default=None, metadata={"help": "HF model folder or hub id; null = bundled SmolLM2"})
     tasks: dict[str, int] = field(
         default_factory=lambda: {"niah_single_2": 4},
-        metadata={"help": "task name -> number of eval samples (RULER-style names, or longbench/<dataset>)"},
+        metadata={"help": "task name -> number of eval samples: a generated family, longbench/<dataset>, or jsonl:PATH (your records' eval split)"},
     )
     context_tokens: int = field(
         default=2048, metadata={"help": "context length of generated samples; LongBench truncation limit (tokens)"}

@@ -65,7 +65,7 @@ class ProfileConfig:
     model: str | None = field(default=None, metadata={"help": "HF model folder or hub id; null = bundled SmolLM2"})
     tasks: dict[str, int] = field(
         default_factory=lambda: {"niah_single_2": 4, "niah_multikey": 4},
-        metadata={"help": "synthetic task -> number of calibration samples"},
+        metadata={"help": "task -> number of calibration samples: a generated family or jsonl:PATH (your records' calibration split)"},
     )
     context_tokens: int = field(default=2048, metadata={"help": "context length of the samples (tokens)"})
     budgets: list[Budget] = field(default_factory=lambda: [64], metadata={"help": "budgets to profile"})

@@ -52,12 +52,12 @@ class StudyConfig:
     context_tokens: int = field(default=1024, metadata={"help": "context length of every sample (tokens)"})
     calibration: dict[str, int] = field(
         default_factory=lambda: {"niah_single_2": 3, "niah_multikey": 3, "niah_multivalue": 3, "multihop_qa": 3},
-        metadata={"help": "calibration task -> samples (profile and training; never evaluated)"},
+        metadata={"help": "calibration task -> samples (profile and training; never evaluated); jsonl:PATH reads its calibration split"},
     )
     calibration_seed: int = field(default=0, metadata={"help": "seed of the calibration sample stream"})
     eval_tasks: dict[str, int] = field(
         default_factory=lambda: {"niah_single_1": 4, "niah_single_2": 4, "niah_multivalue": 4, "niah_multiquery": 4},
-        metadata={"help": "eval task -> samples (disjoint seed stream from calibration)"},
+        metadata={"help": "eval task -> samples (disjoint seed stream from calibration; jsonl:PATH: its eval split)"},
     )
     heldout: list[str] | None = field(
         default=None,

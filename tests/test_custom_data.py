@@ -135,3 +135,14 @@ def test_bench_on_the_held_back_split_of_the_same_file(tmp_path, tiny_dir):
     samples = [json.loads(line) for line in (tmp_path / "bench" / "samples.jsonl").read_text().splitlines()]
     assert {s["context"] for s in samples} == evals  # only the eval split, every record of it
     assert len(rows) == 2 * n_eval
+
+
+def test_profile_reads_the_calibration_split_of_the_same_file(tmp_path, tiny_dir):
+    path = write(tmp_path / "mine.jsonl", records(12))
+    calibration = {r["context"] for r in records(12) if hand_split(r) == "calibration"}
+    cfg = {"model": str(tiny_dir), "tasks": {f"jsonl:{path}": len(calibration)}, "context_tokens": 200,
+           "budgets": [0.3], "methods": ["keydiff", "streaming_llm"], "output": str(tmp_path / "profile")}
+    (tmp_path / "profile.yaml").write_text(yaml.safe_dump(cfg))
+    assert main(["profile", "--config", str(tmp_path / "profile.yaml")]) == 0
+    samples = [json.loads(line) for line in (tmp_path / "profile" / "samples.jsonl").read_text().splitlines()]
+    assert {s["context"] for s in samples} == calibration  # never an eval record

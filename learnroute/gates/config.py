@@ -276,26 +276,7 @@ class TrainConfig:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.lr > 0:
             problems.append(f"lr must be > 0, got {self.lr}")
-        if self.stream < 0 or self.stream_pool < 0:
-            problems.append(f"stream and stream_pool must be >= 0, got {self.stream} and {self.stream_pool}")
-        elif self.stream_pool and not self.stream:
-            problems.append("stream_pool needs stream >= 1 (fresh samples per step) to fill the pool")
-        elif self.stream and self.stream_pool and self.stream_pool < self.stream:
-            problems.append(f"stream_pool ({self.stream_pool}) must hold at least one step's stream ({self.stream})")
-        if self.stream and (fixed := [t for t in self.tasks if t not in TASKS]):
-            problems.append(f"stream draws fresh samples of generated families; {fixed} are read from files "
-                            f"(a stream needs tasks among: {', '.join(TASKS)})")
-        if self.val_tasks is not None:
-            problems += calibration_problems(self.val_tasks, "val_tasks")
-            if overlap := sorted(set(self.val_tasks) & set(self.tasks)):
-                problems.append(f"val_tasks {overlap} are also training tasks: validation families must be held out")
-        if not 0.0 <= self.val_fraction < 1.0:
-            problems.append(f"val_fraction must be in [0, 1), got {self.val_fraction}")
-        elif (not self.stream and self.val_tasks is None and self.tasks
-              and sum(self.tasks.values()) - round(self.val_fraction * sum(self.tasks.values())) < 1):
-            problems.append(
-                f"val_fraction={self.val_fraction} of {sum(self.tasks.values())} calibration samples leaves none to train on"
-            )
+        problems += self._sample_problems()
         if not 0.0 <= self.straight_through <= 1.0:
             problems.append(f"straight_through must be in [0, 1], got {self.straight_through}")
         if not 0.0 <= self.budget_floor < 1.0:
@@ -325,6 +306,30 @@ class TrainConfig:
         problems += adapter_problems(self)  # adapter settings, learn=none
         return problems
 
+    def _sample_problems(self) -> list[str]:
+        """The calibration stream and the validation split (samples, families, fraction)."""
+        problems = []
+        if self.stream < 0 or self.stream_pool < 0:
+            problems.append(f"stream and stream_pool must be >= 0, got {self.stream} and {self.stream_pool}")
+        elif self.stream_pool and not self.stream:
+            problems.append("stream_pool needs stream >= 1 (fresh samples per step) to fill the pool")
+        elif self.stream and self.stream_pool and self.stream_pool < self.stream:
+            problems.append(f"stream_pool ({self.stream_pool}) must hold at least one step's stream ({self.stream})")
+        if self.stream and (fixed := [t for t in self.tasks if t not in TASKS]):
+            problems.append(f"stream draws fresh samples of generated families; {fixed} are read from files "
+                            f"(a stream needs tasks among: {', '.join(TASKS)})")
+        if self.val_tasks is not None:
+            problems += calibration_problems(self.val_tasks, "val_tasks")
+            if overlap := sorted(set(self.val_tasks) & set(self.tasks)):
+                problems.append(f"val_tasks {overlap} are also training tasks: validation families must be held out")
+        if not 0.0 <= self.val_fraction < 1.0:
+            problems.append(f"val_fraction must be in [0, 1), got {self.val_fraction}")
+        elif (not self.stream and self.val_tasks is None and self.tasks
+              and sum(self.tasks.values()) - round(self.val_fraction * sum(self.tasks.values())) < 1):
+            problems.append(
+                f"val_fraction={self.val_fraction} of {sum(self.tasks.values())} calibration samples leaves none to train on"
+            )
+        return problems
 
 
 def adapter_problems(config: TrainConfig) -> list[str]:
