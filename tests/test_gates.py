@@ -867,3 +867,40 @@ def test_share_divergence_is_kl_from_uniform():
     assert float(d.detach()) == pytest.approx(want, rel=1e-5)
     d.backward()
     assert float(gates.beta.grad[3]) < 0  # gradient descent raises the starved layer's logit
+
+
+def test_two_stages_train_what_the_two_runs_by_hand_train(tiny_dir, tmp_path):
+    """`stages: two` is the 4k recipe the studies ran as two commands: per-layer budgets into
+    <output>/first_stage, then per-head budgets from its route with its layer totals fixed.
+    One command gives the same routes as the two by hand, and each layer keeps the first
+    stage's total; `auto` picks it from the context length; a recipe it cannot split is
+    refused with why, before anything runs."""
+    from learnroute.gates.config import TWO_STAGES_FROM_TOKENS, TrainConfig, resolved_stages
+
+    common = dict(learn="budgets", init_method="tova", granularity="head", steps=2, save_every=2, select="last",
+                  lr=0.5, budgets=[0.25])
+    one = tmp_path / "one"
+    one.mkdir()
+    assert train(write_config(one, tiny_dir, **common, stages="two")) == 0
+    hand = tmp_path / "hand"
+    hand.mkdir()
+    assert train(write_config(hand, tiny_dir, **{**common, "granularity": "layer"}, output=str(hand / "s1"))) == 0
+    (hand / "b").mkdir()
+    assert train(write_config(hand / "b", tiny_dir, **common, layer_totals="fixed",
+                              init_route=str(hand / "s1" / "route.json"), output=str(hand / "s2"))) == 0
+    first, second = Route.from_file(one / "run" / "first_stage" / "route.json"), Route.from_file(one / "run" / "route.json")
+    assert not first.is_per_head and second.is_per_head
+    assert first.layers == Route.from_file(hand / "s1" / "route.json").layers
+    assert second.layers == Route.from_file(hand / "s2" / "route.json").layers
+    n_heads = second.n_heads
+    totals = [sum(h) for h in second.head_budgets(n_heads)]
+    stage1 = [n_heads * layer[0] for layer in first.head_budgets(1)]
+    assert totals == pytest.approx(stage1, rel=1e-5)  # each layer's total is stage 1's (float32 shares)
+    assert train(write_config(one, tiny_dir, **common, stages="two")) == 0  # resumes: nothing to redo
+
+    at = {n: load_config(TrainConfig, overrides=[f"context_tokens={n}"]) for n in (1024, TWO_STAGES_FROM_TOKENS)}
+    assert resolved_stages(at[1024]) == 1 and resolved_stages(at[TWO_STAGES_FROM_TOKENS]) == 2
+    per_layer = load_config(TrainConfig, overrides=[f"context_tokens={TWO_STAGES_FROM_TOKENS}", "granularity=layer"])
+    assert resolved_stages(per_layer) == 1  # auto: a per-layer recipe has no second stage
+    with pytest.raises(ConfigError, match="stages: two .* needs granularity: head"):
+        load_config(TrainConfig, overrides=["stages=two", "granularity=layer"])

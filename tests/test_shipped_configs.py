@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -105,3 +106,12 @@ def test_smoke_config_covers_routes_and_budgets():
     assert "full" in cfg.routes and len(cfg.routes) >= 4
     assert len(cfg.budgets) == 2
     assert cfg.tasks and all(n >= 1 for n in cfg.tasks.values())
+
+
+def test_every_experiment_record_is_in_the_index():
+    """experiments/README.md says which table each record regenerates: none is left out."""
+    index = (ROOT / "experiments" / "README.md").read_text()
+    sections = dict(re.findall(r"^## (\w+)/.*?\n(.*?)(?=^## |\Z)", index, re.S | re.M))
+    missing = [str(p.relative_to(ROOT)) for p in shipped_configs() if p.relative_to(ROOT).parts[0] == "experiments"
+               and f"| `{p.name}` |" not in sections.get(p.parent.name, "")]
+    assert not missing, f"experiments/README.md does not index {missing}"
