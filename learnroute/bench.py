@@ -26,6 +26,7 @@ from learnroute.route import Route, RouteError, budget_problem, parse_budget
 from learnroute.runs import (
     append_jsonl,
     device_problem,
+    dtype_problem,
     prepare_folder,
     process_state,
     read_jsonl,
@@ -87,6 +88,7 @@ class BenchConfig:
     longbench_dir: str | None = field(
         default=None, metadata={"help": "folder of LongBench JSONL files (default $LEARNROUTE_LONGBENCH)"}
     )
+    dtype: str = field(default="float32", metadata={"help": "float32 | bfloat16: the model's weights and activations (bfloat16 halves the KV cache; answers can differ)"})
     device: str = field(
         default="auto", metadata={"help": "auto (CUDA when available) | cpu | cuda (refused without CUDA)"}
     )
@@ -121,6 +123,8 @@ class BenchConfig:
         if self.route_file_budgets not in ("scale", "file"):
             problems.append(f"route_file_budgets must be 'scale' or 'file', got {self.route_file_budgets!r}")
         if (p := device_problem(self.device)) is not None:
+            problems.append(p)
+        if (p := dtype_problem(self.dtype)) is not None:
             problems.append(p)
         return problems
 
@@ -249,7 +253,7 @@ def run_bench(config: BenchConfig, overwrite: bool = False) -> Path:
     out = prepare_folder(config, overwrite, state.is_main_process, growable=("routes",))
     state.wait_for_everyone()
 
-    model, tokenizer = load_model(config.model)
+    model, tokenizer = load_model(config.model, dtype=config.dtype)
     if device == "cuda":
         model.to(state.device)  # this rank's GPU
     name = model_name(model)

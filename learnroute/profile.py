@@ -36,7 +36,7 @@ from learnroute.config import to_dict
 from learnroute.methods.budgets import allocate_shares, resolve_budget
 from learnroute.methods.registry import METHODS
 from learnroute.route import LayerRoute, Route, RouteError, budget_problem
-from learnroute.runs import device_problem
+from learnroute.runs import device_problem, dtype_problem
 from learnroute.tasks.ruler import Sample
 from learnroute.tasks.suite import calibration_problems, load_tasks
 
@@ -78,6 +78,7 @@ class ProfileConfig:
     )
     query_aware: bool = field(default=False, metadata={"help": "put the question in the prefill (scored)"})
     seed: int = field(default=0, metadata={"help": "seed of the calibration sample stream"})
+    dtype: str = field(default="float32", metadata={"help": "float32 | bfloat16: the model's weights and activations (bfloat16 halves the KV cache; answers can differ)"})
     device: str = field(
         default="auto", metadata={"help": "auto (CUDA when available) | cpu | cuda (refused without CUDA)"}
     )
@@ -107,6 +108,8 @@ class ProfileConfig:
         if self.context_tokens < 16:
             problems.append(f"context_tokens must be >= 16, got {self.context_tokens}")
         if (p := device_problem(self.device)) is not None:
+            problems.append(p)
+        if (p := dtype_problem(self.dtype)) is not None:
             problems.append(p)
         return problems
 
@@ -535,7 +538,7 @@ def run_profile(config: ProfileConfig, overwrite: bool = False, progress: bool =
     rank, world = state.process_index, state.num_processes
     out = prepare_folder(config, overwrite, is_main=state.is_main_process)
     state.wait_for_everyone()
-    model, tokenizer = load_model(config.model)
+    model, tokenizer = load_model(config.model, dtype=config.dtype)
     # Under torchrun each rank's own GPU; one process: the resolved device (accelerate's
     # state is a per-process singleton and may predate this call's device choice).
     model.to(state.device if device == "cuda" and world > 1 else device)

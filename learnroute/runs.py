@@ -24,6 +24,8 @@ from learnroute.config import ConfigError, to_dict
 _RESUME_FREE = ("output", "wandb", "wandb_project", "max_batch", "max_padding", "stop_at_final_score", "device",
                 "prefill_cache_gib")
 DEVICES = ("auto", "cpu", "cuda")
+# The model dtypes a run may load in (``dtype`` of every config; gates and adapters stay float32).
+DTYPES = ("float32", "bfloat16")
 
 
 def versions() -> dict[str, Any]:
@@ -63,6 +65,13 @@ def device_problem(device: str) -> str | None:
     """What is wrong with a config's ``device`` key (None if nothing): auto | cpu | cuda."""
     if device not in DEVICES:
         return f"device must be auto, cpu or cuda, got {device!r}"
+    return None
+
+
+def dtype_problem(dtype: str) -> str | None:
+    """What is wrong with a config's ``dtype`` key (None if nothing): float32 | bfloat16."""
+    if dtype not in DTYPES:
+        return f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}"
     return None
 
 

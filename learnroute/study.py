@@ -31,7 +31,7 @@ from learnroute.config import ConfigError, from_dict, to_dict
 from learnroute.gates.config import CANDIDATES, SEED_SUFFIX, TrainConfig
 from learnroute.methods import get_method
 from learnroute.route import Route, budget_problem
-from learnroute.runs import atomic_write, device_problem
+from learnroute.runs import atomic_write, device_problem, dtype_problem
 from learnroute.stats import VALID_FULL, best_homogeneous, paired, pooled, sample_scores, solved_tasks
 from learnroute.tasks.suite import check_tasks
 
@@ -142,6 +142,7 @@ class StudyConfig:
                           "Each process (rank) keeps its own, on top of what its stage needs: at 4k a bench "
                           "rank peaked at 9.2 GiB with 1 GiB kept, and two ranks with 4 GiB each ran out of 24 GiB"},
     )
+    dtype: str = field(default="float32", metadata={"help": "float32 | bfloat16: the model's weights and activations (bfloat16 halves the KV cache; answers can differ)"})
     device: str = field(
         default="auto",
         metadata={"help": "every stage's device: auto (CUDA when available) | cpu | cuda (refused without CUDA); "
@@ -184,6 +185,8 @@ class StudyConfig:
         if self.placements < 0 or self.bootstrap < 100:
             problems.append("placements must be >= 0 and bootstrap >= 100")
         if (p := device_problem(self.device)) is not None:
+            problems.append(p)
+        if (p := dtype_problem(self.dtype)) is not None:
             problems.append(p)
         problems += self._import_problems()
         # Every variant's training config must be valid (checked with the profile tokens
@@ -290,7 +293,7 @@ class StudyConfig:
             owned = sorted(set(over) & set(STUDY_OWNED))
             if owned:
                 raise ConfigError(f"variant {name!r} sets {owned}; the study sets those for every variant")
-            data = {"device": self.device, **self.train, **over}
+            data = {"device": self.device, "dtype": self.dtype, **self.train, **over}
             data.update(
                 model=self.model,
                 tasks=dict(self.calibration),
@@ -491,6 +494,7 @@ class _Stages:
                     methods=list(config.methods),
                     seed=config.calibration_seed,
                     device=config.device,
+                    dtype=config.dtype,
                     output=str(out / "profile"),
                 ),
                 progress=self.first,
@@ -597,6 +601,7 @@ class _Stages:
             max_new_tokens=config.max_new_tokens,
             stop_at_final_score=config.stop_at_final_score,
             device=config.device,
+            dtype=config.dtype,
             output=str(self.out / folder),
         )
 
@@ -662,6 +667,7 @@ class _Stages:
                 max_new_tokens=config.max_new_tokens,
                 stop_at_final_score=config.stop_at_final_score,
                 device=config.device,
+                dtype=config.dtype,
                 output=str(out / "placement"),
             )
         )

@@ -93,7 +93,7 @@ def test_the_train_config_users_start_from_is_the_recommended_recipe():
     assert study.variants == StudyConfig().variants == {"learned": {"init_method": "@profile_best"}}
     data = study.variant_configs(Path("runs/x"), check=True)["learned"]
     recipe = dataclasses.asdict(TrainConfig())
-    owned = {"model", "tasks", "context_tokens", "seed", "methods", "output", "budgets", "device", "init_method"}
+    owned = {"model", "tasks", "context_tokens", "seed", "methods", "output", "budgets", "device", "dtype", "init_method"}
     cut_for_time = {"steps", "lr", "eval_every", "save_every"}  # the header of default.yaml says why
     assert set(data) - owned == cut_for_time
     trained = dataclasses.asdict(load_config(TrainConfig, overrides=[f"{k}={json.dumps(v)}" for k, v in data.items()]))

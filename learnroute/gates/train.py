@@ -235,7 +235,7 @@ def _setup(config: TrainConfig, overwrite: bool, progress: bool) -> _Run:
     out = prepare_folder(config, overwrite, acc.is_main_process)
     acc.wait_for_everyone()
     log = _logger(out / "train.log", acc.is_main_process)
-    model, tokenizer = load_model(config.model)
+    model, tokenizer = load_model(config.model, dtype=config.dtype)
     model.to(acc.device)
     engine = Engine(model, tokenizer, query_aware=config.query_aware)
     # a warm-start route for another layer (or head) count fails here, before any prefill
