@@ -128,6 +128,8 @@ def test_study_passes_its_device_to_every_stage(tmp_path):
     assert variants["learned"]["device"] == "cpu" and variants["gpu"]["device"] == "cuda"  # a variant's own wins
     study = StudyConfig(train={"device": "cuda"}, variants={"learned": {}})  # no @profile_best: no profile to read
     assert study.variant_configs(tmp_path)["learned"]["device"] == "cuda"
+    study = StudyConfig(dtype="bfloat16", variants={"learned": {}})  # the model's dtype too, to every stage
+    assert study.variant_configs(tmp_path)["learned"]["dtype"] == "bfloat16"
 
 
 def test_device_cuda_without_cuda_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
