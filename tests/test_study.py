@@ -9,7 +9,11 @@ import pytest
 import torch
 import yaml
 
-from learnroute import study as S
+from learnroute.stats import paired
+from learnroute.study import analysis as A
+from learnroute.study import config as C
+from learnroute.study import recipe as R
+from learnroute.study import render as M
 from learnroute.bench import BenchConfig, run_bench
 from learnroute.cli import main
 from learnroute.config import ConfigError, load_config
@@ -162,7 +166,7 @@ def test_study_end_to_end_then_nothing_to_redo(tiny_dir, tmp_path, monkeypatch, 
     assert "| learned_per_head | allocated / kept bytes | x1.00 |" in (out / "study.md").read_text()
     # the per-head variant as the main route: Q9 does not compare it with itself, and the
     # per-layer main becomes a Q6 row against it, paired over the same samples
-    as_main = S.analyze(out, main_variant="per_head")["protocols"]["agnostic"]["budgets"]
+    as_main = A.analyze(out, main_variant="per_head")["protocols"]["agnostic"]["budgets"]
     for b, b0 in zip(as_main, result["protocols"]["agnostic"]["budgets"]):
         assert b["q9_per_head"]["learned_per_head"]["vs_main"] is None
         assert b["q9_per_head"]["learned_per_head"]["vs_adakv"]["n"] == 4
@@ -288,7 +292,7 @@ def test_study_end_to_end_then_nothing_to_redo(tiny_dir, tmp_path, monkeypatch, 
 def test_per_budget_variants_start_from_that_budgets_profile(tmp_path):
     """With profile_all_budgets, a variant trained at one budget starts from the profile's
     route for that budget; the budget-robust variant from the profiled budget's."""
-    cfg = S.StudyConfig(budgets=[0.1, 0.2], profile_all_budgets=True, per_budget=True,
+    cfg = C.StudyConfig(budgets=[0.1, 0.2], profile_all_budgets=True, per_budget=True,
                         variants={"learned": {"init_route": "@profile_alloc"}})
     prof = tmp_path / "profile"
     prof.mkdir()
@@ -307,22 +311,22 @@ def test_per_budget_variants_start_from_that_budgets_profile(tmp_path):
 def test_paired_bootstrap_verdicts():
     a = {str(i): 1.0 for i in range(30)}
     b = {str(i): 0.0 for i in range(30)}
-    assert S.paired(a, b, 500)["verdict"] == "win" and S.paired(b, a, 500)["verdict"] == "loss"
+    assert paired(a, b, 500)["verdict"] == "win" and paired(b, a, 500)["verdict"] == "loss"
     c = {str(i): float(i % 2) for i in range(30)}
     d = {str(i): float((i + 1) % 2) for i in range(30)}
-    r = S.paired(c, d, 500)
+    r = paired(c, d, 500)
     assert r["verdict"] == "tie" and r["diff"] == 0 and r["lo"] < 0 < r["hi"]
 
 
 def test_bad_study_config_is_one_error(tmp_path):
     with pytest.raises(ConfigError) as e:
-        load_config(S.StudyConfig, overrides=["protocols=[agnostic, sideways]", "main_variant=nope", "aware_budgets=[0.05]",
+        load_config(C.StudyConfig, overrides=["protocols=[agnostic, sideways]", "main_variant=nope", "aware_budgets=[0.05]",
                                               "variants={learned: {context_tokens: 5}}", "eval_tasks={nosuch: 2}"])
     with pytest.raises(ConfigError, match="unknown study token '@profil'"):
-        load_config(S.StudyConfig, overrides=["variants={learned: {init_route: '@profil'}}"])
+        load_config(C.StudyConfig, overrides=["variants={learned: {init_route: '@profil'}}"])
     with pytest.raises(ConfigError, match=r"variant 'a': init_route '@variant:b' names no variant listed before it; "
                                           r"valid: none"):
-        load_config(S.StudyConfig, overrides=["variants={a: {init_route: '@variant:b'}, b: {}}"])
+        load_config(C.StudyConfig, overrides=["variants={a: {init_route: '@variant:b'}, b: {}}"])
     msg = str(e.value)
     for part in ("protocols must be", "main_variant 'nope'", "the study sets those", "unknown task 'nosuch'",
                  "aware_budgets is set but 'aware' is not in protocols"):
@@ -332,7 +336,7 @@ def test_bad_study_config_is_one_error(tmp_path):
 def test_imported_routes_must_be_route_files_with_plain_names(tmp_path):
     (tmp_path / "not_a_route.json").write_text('{"layers": 3}')
     with pytest.raises(ConfigError) as e:
-        load_config(S.StudyConfig, overrides=[
+        load_config(C.StudyConfig, overrides=[
             f"imported_routes={{gone: {tmp_path / 'gone.json'}, bad: {tmp_path / 'not_a_route.json'}, 'a/b': x.json}}"])
     msg = str(e.value)
     for part in ("imported_routes.gone", "is not a file", "imported_routes.bad", "is not a valid route",
@@ -348,19 +352,19 @@ def test_placement_goes_to_the_first_listed_variant_with_two_methods(tmp_path):
     Route.homogeneous("snapkv", 4, 0.2).to_file(routes / "learned_one.json")
     Route.from_layers(["snapkv", "tova", "tova", "knorm"], 0.2).to_file(routes / "learned_mixed.json")
     variants = {"learned": {}, "one": {}, "mixed": {}}
-    cfg = S.StudyConfig(variants=variants, placement_variant=["one", "mixed"])
+    cfg = C.StudyConfig(variants=variants, placement_variant=["one", "mixed"])
     assert cfg.placement_choice(routes) == "mixed"
-    assert S.StudyConfig(variants=variants, placement_variant="one").placement_choice(routes) is None
-    assert S.StudyConfig(variants=variants).placement_candidates == ["learned"]
+    assert C.StudyConfig(variants=variants, placement_variant="one").placement_choice(routes) is None
+    assert C.StudyConfig(variants=variants).placement_candidates == ["learned"]
     # '@profile': the profile's per-layer route at the profiled budget, when it mixes methods
-    by_profile = S.StudyConfig(variants=variants, placement_variant=["one", "@profile"], profile_budget=0.1)
+    by_profile = C.StudyConfig(variants=variants, placement_variant=["one", "@profile"], profile_budget=0.1)
     assert by_profile.placement_choice(routes) is None  # no profile yet
     Route.from_layers(["knorm", "knorm", "tova", "knorm"], 0.1).to_file(profile / "profile_0.1.json")
     Route.from_layers(["tova"] * 4, 0.2).to_file(profile / "profile_0.2.json")  # another budget's: not this one
     assert by_profile.placement_choice(routes) == "@profile"
     assert by_profile.placement_path(routes, "@profile") == profile / "profile_0.1.json"
     with pytest.raises(ConfigError, match="placement_variant 'nope' is neither among the variants"):
-        load_config(S.StudyConfig, overrides=["placement_variant=[one, nope]", "variants={learned: {}, one: {}}"])
+        load_config(C.StudyConfig, overrides=["placement_variant=[one, nope]", "variants={learned: {}, one: {}}"])
 
 
 def test_study_under_torchrun_shards_and_resumes(tiny_dir, tmp_path, monkeypatch):
@@ -469,7 +473,7 @@ def test_study_under_torchrun_shards_and_resumes(tiny_dir, tmp_path, monkeypatch
 def test_study_accepts_a_fixed_method_variant_that_starts_from_a_profile_route(variant, tmp_path):
     """A profile route is a valid start for budgets-only and adapter-only variants: the
     check (before the profile exists) must not refuse it for lack of init_method."""
-    cfg = load_config(S.StudyConfig, overrides=[f"variants={json.dumps({'learned': {}, 'v': variant})}"])
+    cfg = load_config(C.StudyConfig, overrides=[f"variants={json.dumps({'learned': {}, 'v': variant})}"])
     assert cfg.validate() == []
     # once the profile has run, the variant starts from the profile's route, with no init_method
     data = cfg.variant_configs(tmp_path)["v"]
@@ -480,9 +484,9 @@ def test_study_accepts_a_fixed_method_variant_that_starts_from_a_profile_route(v
 
 def test_study_still_refuses_a_fixed_method_variant_with_no_start():
     with pytest.raises(ConfigError, match="learn=budgets keeps the methods fixed"):
-        load_config(S.StudyConfig, overrides=["variants={learned: {}, v: {learn: budgets, init_method: null}}"])
+        load_config(C.StudyConfig, overrides=["variants={learned: {}, v: {learn: budgets, init_method: null}}"])
     with pytest.raises(ConfigError, match="learn=none keeps the route fixed"):
-        load_config(S.StudyConfig, overrides=["variants={learned: {}, v: {learn: none, adapter: true, init_method: null}}"])
+        load_config(C.StudyConfig, overrides=["variants={learned: {}, v: {learn: none, adapter: true, init_method: null}}"])
 
 
 def test_out_of_family_tasks_must_stay_unseen(tmp_path, tiny_dir):
@@ -490,13 +494,13 @@ def test_out_of_family_tasks_must_stay_unseen(tmp_path, tiny_dir):
     error each, before anything runs."""
     path = study_config(tmp_path, tiny_dir)
     with pytest.raises(ConfigError) as e:
-        load_config(S.StudyConfig, path, ["heldout=[niah_single_1, niah_multivalue]", "mixture_of=[]", "placement_variant=[learned]",
+        load_config(C.StudyConfig, path, ["heldout=[niah_single_1, niah_multivalue]", "mixture_of=[]", "placement_variant=[learned]",
                                           "variants={learned: {}, warm: {val_tasks: {niah_single_2: 2}}}"])
     msg = str(e.value)
     assert "'niah_single_1' is also a calibration task" in msg
     assert "'niah_multivalue' is not an eval task" in msg
     assert "val_tasks ['niah_single_2'] are out-of-family eval tasks" in msg
-    load_config(S.StudyConfig, path, ["heldout=[niah_single_2]", "variants={learned: {}, warm: {val_tasks: {niah_multivalue: 2}}}",
+    load_config(C.StudyConfig, path, ["heldout=[niah_single_2]", "variants={learned: {}, warm: {val_tasks: {niah_multivalue: 2}}}",
                                       "mixture_of=[]", "placement_variant=[learned]"])
 
 
@@ -514,11 +518,11 @@ def test_a_study_grows_by_variants_seeds_and_protocols_but_never_changes_what_it
 
     def config(**kw):
         base = {"output": str(tmp_path / "s"), "variants": {"a": {"lr": 0.01}}, "seeds": [1]}
-        return S.StudyConfig(**{**base, **kw})
+        return C.StudyConfig(**{**base, **kw})
 
-    prepare_folder(config(), False, True, growable=S.GROWABLE)
+    prepare_folder(config(), False, True, growable=C.GROWABLE)
     grown = config(variants={"a": {"lr": 0.01}, "b": {"lr": 0.02}}, seeds=[1, 2], protocols=["agnostic", "aware"])
-    prepare_folder(grown, False, True, growable=S.GROWABLE)
+    prepare_folder(grown, False, True, growable=C.GROWABLE)
     saved = yaml.safe_load((tmp_path / "s" / "config.yaml").read_text())
     assert saved["variants"] == grown.variants and saved["protocols"] == ["agnostic", "aware"]
     # the trained variants' configs do not depend on the protocols: a grown protocol retrains nothing
@@ -534,7 +538,7 @@ def test_a_study_grows_by_variants_seeds_and_protocols_but_never_changes_what_it
                           (changed_from_grown(aware_budgets=[0.3]), "aware_budgets"),
                           (changed_from_grown(eval_seed=3), "eval_seed")):
         with pytest.raises(ConfigError, match=rf"differs in: {what}\);"):
-            prepare_folder(changed, False, True, growable=S.GROWABLE)
+            prepare_folder(changed, False, True, growable=C.GROWABLE)
 
 
 def test_controls_follow_each_family_splits_best_method(tmp_path, monkeypatch):
@@ -554,7 +558,7 @@ def test_controls_follow_each_family_splits_best_method(tmp_path, monkeypatch):
     folder = tmp_path / "study" / "bench_agnostic"
     folder.mkdir(parents=True)
     (folder / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    config = load_config(S.StudyConfig, overrides=[
+    config = load_config(C.StudyConfig, overrides=[
         "calibration={niah_single_1: 4}", "eval_tasks={niah_single_1: 4, kv_json: 3}", "budgets=[0.1]",
         "methods=[snapkv, tova]", "pyramid=[]", f"output={tmp_path / 'study'}"])
     ran = []
@@ -566,7 +570,7 @@ def test_controls_follow_each_family_splits_best_method(tmp_path, monkeypatch):
         def wait_for_everyone(self):
             pass
 
-    S._Stages(config, tmp_path / "study", Single()).controls("agnostic")
+    R._Stages(config, tmp_path / "study", Single()).controls("agnostic")
     # tova scores every KV head alike (the last query's attention averaged over all query
     # heads), so adakv:tova would be homogeneous tova: not benched
     assert ran == [["adakv:snapkv", "pyramid:snapkv", "pyramid:tova"]]
@@ -575,17 +579,17 @@ def test_controls_follow_each_family_splits_best_method(tmp_path, monkeypatch):
 def test_adakv_over_a_method_that_scores_heads_alike_is_answered_by_its_homogeneous_route():
     """adakv:tova is not benched (test above); the answers and study.md read homogeneous tova
     in its place, labelled so, while adakv:snapkv is read from its own rows."""
-    config = load_config(S.StudyConfig, overrides=["variants={learned: {}}", "budgets=[0.1]"])
+    config = load_config(C.StudyConfig, overrides=["variants={learned: {}}", "budgets=[0.1]"])
     rows = []
     for best, extra in (("homogeneous:tova", {}), ("homogeneous:snapkv", {"adakv:snapkv": [1, 1, 0, 0]})):
         scores = {"full": [1, 1, 1, 1], best: [1, 0, 0, 0], "learned": [1, 1, 1, 0], **extra}
         rows.append([{"sample_id": f"s{i}", "task": "niah_single_1", "route": route,
                       "budget": None if route == "full" else 0.1, "score": float(x)}
                      for route, xs in scores.items() for i, x in enumerate(xs)])
-    tova, snap = (S._answers(config, r, "learned", [0.1])["budgets"][0] for r in rows)
+    tova, snap = (A._answers(config, r, "learned", [0.1])["budgets"][0] for r in rows)
     assert tova["adakv_best"] == "homogeneous:tova" and tova["q1_vs_adakv_best"]["diff"] == pytest.approx(0.5)
     assert snap["adakv_best"] == "adakv:snapkv" and snap["q1_vs_adakv_best"]["diff"] == pytest.approx(0.25)
-    md = "\n".join(S._control_lines({"budgets": [tova]}, "learned"))
+    md = "\n".join(M._control_lines({"budgets": [tova]}, "learned"))
     assert "| 0.1 | adakv:tova (= homogeneous:tova: every KV head scores alike) | 25.0 | +50.0" in md
 
 
@@ -593,7 +597,7 @@ def test_routes_are_told_apart_by_what_they_are_not_by_their_suffix():
     """A variant may be called cold_start (its route ends in _start, as an untrained start's
     does) or x_seed9 (like the main variant's seeds): Q6 still answers it, Q8 pairs each
     variant with its own start, and only the main variant's seeds go to the seed spread."""
-    config = load_config(S.StudyConfig, overrides=[
+    config = load_config(C.StudyConfig, overrides=[
         "variants={learned: {}, cold_start: {lr: 0.02}, warm: {init_method: snapkv}, x_seed9: {lr: 0.03}}",
         "seeds=[1]", "budgets=[0.1]"])
     scores = {"full": [1, 1, 1, 1], "homogeneous:snapkv": [0, 0, 0, 1], "learned": [1, 0, 0, 0],
@@ -601,7 +605,7 @@ def test_routes_are_told_apart_by_what_they_are_not_by_their_suffix():
               "learned_x_seed9": [0, 1, 0, 0], "learned_seed1": [1, 1, 1, 1]}
     rows = [{"sample_id": f"s{i}", "task": "niah_single_1", "route": route, "budget": None if route == "full" else 0.1,
              "score": float(x)} for route, xs in scores.items() for i, x in enumerate(xs)]
-    e = S._answers(config, rows, "learned", [0.1])["budgets"][0]
+    e = A._answers(config, rows, "learned", [0.1])["budgets"][0]
     assert set(e["q6_variants"]) == {"learned_cold_start", "learned_warm", "learned_x_seed9"}
     assert e["q6_variants"]["learned_cold_start"]["diff"] == pytest.approx(0.25)  # (1+1+0+0)/4 - (1+0+0+0)/4
     assert set(e["q8_vs_start"]) == {"learned_warm"} and e["q8_vs_start"]["learned_warm"]["diff"] == pytest.approx(0.75)
@@ -614,7 +618,7 @@ def test_the_seeds_of_a_second_stage_main_variant_train_the_whole_recipe_again(t
     the first stage of seed 0 (as `train --seeds` with {seed} in init_route does), and Q8
     pairs each seed with its own first stage; only the second stage's seeds make the spread.
     Hand-computed on four all-or-nothing samples."""
-    config = load_config(S.StudyConfig, overrides=[
+    config = load_config(C.StudyConfig, overrides=[
         "variants={first: {init_method: snapkv}, second: {init_route: '@variant:first', lr: 0.02}}",
         "main_variant=second", "seeds=[1, 2]", "budgets=[0.1]"])
     cfgs = config.variant_configs(tmp_path)
@@ -631,7 +635,7 @@ def test_the_seeds_of_a_second_stage_main_variant_train_the_whole_recipe_again(t
               "learned_first": [1, 0, 0, 0], "learned_first_seed1": [0, 0, 0, 0], "learned_first_seed2": [1, 1, 1, 1]}
     rows = [{"sample_id": f"s{i}", "task": "niah_single_1", "route": route, "budget": None if route == "full" else 0.1,
              "score": float(x)} for route, xs in scores.items() for i, x in enumerate(xs)]
-    e = S._answers(config, rows, "learned_second", [0.1])["budgets"][0]
+    e = A._answers(config, rows, "learned_second", [0.1])["budgets"][0]
     sd = e["seeds"]
     assert set(sd["routes"]) == {"learned_second", "learned_second_seed1", "learned_second_seed2"}
     assert sd["q8"]["learned_second"]["diff"] == pytest.approx(0.75 - 0.25)  # its own start
@@ -679,14 +683,14 @@ def test_every_training_seed_is_answered_against_the_main_routes_start_and_the_p
     warm-started main shares its start (train_seed changes the optimisation only), so Q8
     pairs every seed with that one start, and Q2 with the profile-allocated route.
     Hand-computed on four all-or-nothing samples; study.md prints them per family split."""
-    config = load_config(S.StudyConfig, overrides=[
+    config = load_config(C.StudyConfig, overrides=[
         "variants={warm: {init_method: snapkv}}", "main_variant=warm", "seeds=[1, 2]", "budgets=[0.1]"])
     scores = {"full": [1, 1, 1, 1], "homogeneous:snapkv": [0, 0, 0, 1], "profile_alloc": [1, 0, 0, 0],
               "learned_warm": [1, 1, 1, 0], "learned_warm_start": [0, 0, 0, 1],
               "learned_warm_seed1": [1, 1, 0, 0], "learned_warm_seed2": [0, 0, 0, 0]}
     rows = [{"sample_id": f"s{i}", "task": "niah_single_1", "route": route, "budget": None if route == "full" else 0.1,
              "score": float(x)} for route, xs in scores.items() for i, x in enumerate(xs)]
-    sd = S._answers(config, rows, "learned_warm", [0.1])["budgets"][0]["seeds"]
+    sd = A._answers(config, rows, "learned_warm", [0.1])["budgets"][0]["seeds"]
     assert set(sd["q8"]) == set(sd["q2"]) == {"learned_warm", "learned_warm_seed1", "learned_warm_seed2"}
     assert sd["q8"]["learned_warm"]["diff"] == pytest.approx(0.75 - 0.25)
     assert sd["q8"]["learned_warm_seed1"]["diff"] == pytest.approx(0.5 - 0.25)
@@ -700,29 +704,29 @@ def test_every_training_seed_is_answered_against_the_main_routes_start_and_the_p
     assert pool["q8"]["diff"] == pytest.approx(1 / 6)
     assert pool["q2"]["diff"] == pytest.approx((-1 / 3 + 2 / 3 + 1 / 3 + 0) / 4)  # profile_alloc 1, 0, 0, 0
     res = {"budgets": [{"budget": 0.1, "seeds": sd}]}
-    table = "\n".join(S._seed_lines(res, "learned_warm", " in-family (4 samples)"))
+    table = "\n".join(M._seed_lines(res, "learned_warm", " in-family (4 samples)"))
     assert "Training seeds of `learned_warm` in-family (4 samples)" in table
     assert "| 0.1 | learned_warm_seed1 | 50.0 | +25.0 [" in table  # Q1 vs homogeneous:snapkv (0.25)
     assert "| 0.1 | **seeds pooled** | 41.7 | +16.7 [" in table
-    assert S._seed_lines({"budgets": [{"budget": 0.1}]}, "learned_warm") == []
+    assert M._seed_lines({"budgets": [{"budget": 0.1}]}, "learned_warm") == []
 
 
 def test_answers_mark_where_the_full_cache_itself_ties_the_reference():
     """The ceiling: where the full cache does not beat a reference (paired), a tie against it
     says little about the route; the answers hold full minus each reference and the tables
     mark those cells. Hand-computed on four all-or-nothing samples."""
-    config = load_config(S.StudyConfig, overrides=["variants={learned: {}}", "budgets=[0.1]"])
+    config = load_config(C.StudyConfig, overrides=["variants={learned: {}}", "budgets=[0.1]"])
     scores = {"full": [1, 1, 1, 0], "homogeneous:snapkv": [0, 0, 0, 0], "profile_alloc": [1, 1, 1, 0],
               "learned": [1, 1, 1, 0]}
     rows = [{"sample_id": f"s{i}", "task": "niah_single_1", "route": route, "budget": None if route == "full" else 0.1,
              "score": float(x)} for route, xs in scores.items() for i, x in enumerate(xs)]
-    e = S._answers(config, rows, "learned", [0.1])["budgets"][0]
+    e = A._answers(config, rows, "learned", [0.1])["budgets"][0]
     assert e["headroom"]["best_homogeneous"]["diff"] == pytest.approx(0.75)
     assert e["headroom"]["profile_alloc"]["diff"] == 0.0 and e["headroom"]["profile_alloc"]["verdict"] == "tie"
-    q1, q2 = S._q12(e)
+    q1, q2 = M._q12(e)
     assert "(ceiling)" not in q1 and q2 == "+0.0 [+0.0, +0.0] tie (ceiling)"
-    table = S.summary_table({"config": {"main_variant": "learned"}, "protocols": {"agnostic": {"budgets": [e]}}})
-    assert "| agnostic | 0.1 | +75.0 [" in table and "tie (ceiling) |" in table and S.CEILING_NOTE in table
+    table = M.summary_table({"config": {"main_variant": "learned"}, "protocols": {"agnostic": {"budgets": [e]}}})
+    assert "| agnostic | 0.1 | +75.0 [" in table and "tie (ceiling) |" in table and M.CEILING_NOTE in table
     e.pop("headroom")  # a study.json written before the ceiling was measured: no mark, no note
-    table = S.summary_table({"config": {"main_variant": "learned"}, "protocols": {"agnostic": {"budgets": [e]}}})
+    table = M.summary_table({"config": {"main_variant": "learned"}, "protocols": {"agnostic": {"budgets": [e]}}})
     assert "(ceiling)" not in table
