@@ -136,15 +136,37 @@ def test_overwrite_moves_the_old_run_aside(tiny_dir, tmp_path):
     assert yaml.safe_load((out / "config.yaml").read_text())["budgets"] == [8]
 
 
-def test_rescore_from_jsonl_alone_gives_the_same_summary(run, tmp_path):
-    _, out = run
-    copy = tmp_path / "copy"
-    copy.mkdir()
-    for name in ["samples.jsonl", "results.jsonl"]:
-        (copy / name).write_bytes((out / name).read_bytes())
-    summarize(copy, rescore=True)
-    assert (copy / "summary.csv").read_text() == (out / "summary.csv").read_text()
-    assert (copy / "summary.md").read_text() == (out / "summary.md").read_text()
+def test_rescored_summary_is_the_hand_computed_mean(tokenizer, tmp_path):
+    """A results folder written by hand, re-scored from its JSONL files alone: each cell is
+    the mean over samples of RULER's string_match_all (the share of references found in the
+    prediction, case-insensitive), computed here by hand; stored scores are ignored."""
+    from learnroute.tasks import make_samples
+
+    multi = make_samples("niah_multivalue", tokenizer, 2, 200, "eval")  # 4 references each
+    single = make_samples("niah_single_1", tokenizer, 2, 200, "eval")  # 1 reference each
+    a, b = multi[0].answers, multi[1].answers
+    predictions = {  # (route, budget) -> one prediction per sample: multi[0], multi[1], single[0], single[1]
+        ("full", None): [" ".join(a), " ".join(b).upper(), single[0].answers[0], single[1].answers[0]],
+        ("x", 0.1): [f"{a[0]} and {a[1]}", a[0], single[0].answers[0], "no idea"],
+    }
+    expected = {  # by hand: found / 4 for the multi-value samples, found / 1 for the single ones
+        ("full", None): {"niah_multivalue": 1.0, "niah_single_1": 1.0},
+        ("x", 0.1): {"niah_multivalue": (2 / 4 + 0 / 4) / 2, "niah_single_1": (1 + 0) / 2},
+    }
+    samples = multi + single
+    rows = [{"route": route, "budget": budget, "sample_id": s.id, "task": s.task, "prediction": p, "score": 0.77,
+             "kv_fraction": 1.0 if budget is None else budget, "seconds": 1.0}
+            for (route, budget), preds in predictions.items() for s, p in zip(samples, preds)]
+    (tmp_path / "samples.jsonl").write_text("".join(json.dumps(s.to_dict()) + "\n" for s in samples))
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    table = summarize(tmp_path, rescore=True)
+    got = {(t["route"], t["budget"], t["task"]): t["score"] for t in table}
+    for (route, budget), tasks in expected.items():
+        for task, score in tasks.items():
+            assert got[(route, budget, task)] == pytest.approx(score), (route, budget, task)
+    assert got[("x", 0.1, "average")] == pytest.approx((0.25 + 0.5) / 2)
+    csv = (tmp_path / "summary.csv").read_text()
+    assert "niah_multivalue,x,0.1,2,0.25," in csv  # the file says what the table says
 
 
 def test_rescore_uses_predictions_and_references(run, tmp_path):

@@ -500,6 +500,18 @@ def test_export_hardened_and_mixture_routes(trained, tiny, tokenizer, tmp_path):
     # A soft mixture is a different route (it mixes the ranks of several methods).
     soft = export_cli(trained, tmp_path / "soft.json", budget="50", mixture=True, temperature=100.0)
     assert all(len(e.mixture) == 4 for e in soft.layers)
+    # Read off the checkpoint file itself (safetensors, not learnroute's loader): each layer's
+    # method is its argmax over theta, and its budget follows beta's order across layers.
+    from safetensors.torch import load_file
+
+    raw = load_file(str(trained / "gates.safetensors"))
+    methods = yaml.safe_load((trained / "config.yaml").read_text())["methods"]
+    assert [e.method for e in hard.layers] == [methods[int(i)] for i in raw["theta"].reshape(4, -1).argmax(-1)]
+    beta = raw["beta"].reshape(4).tolist()
+    for i in range(4):
+        for j in range(4):
+            if beta[i] > beta[j] + 1e-3:
+                assert hard.budgets[i] >= hard.budgets[j], (i, j, beta, hard.budgets)
     # The exported routes load in bench and RoutedPress.
     assert main(["export", str(trained), "--out", str(tmp_path / "cli.json"), "--budget", "0.5"]) == 0
     lr.RoutedPress(Route.from_file(tmp_path / "cli.json"))
