@@ -730,3 +730,23 @@ def test_answers_mark_where_the_full_cache_itself_ties_the_reference():
     e.pop("headroom")  # a study.json written before the ceiling was measured: no mark, no note
     table = M.summary_table({"config": {"main_variant": "learned"}, "protocols": {"agnostic": {"budgets": [e]}}})
     assert "(ceiling)" not in table
+
+
+def test_a_main_route_that_answers_worse_with_more_cache_is_flagged():
+    """Issue 58's check: the main route at each budget minus itself at the next smaller one,
+    paired over samples (here by hand: the mean of per-sample differences), in every split;
+    a drop whose interval lies below 0 is flagged in study.md."""
+    config = load_config(C.StudyConfig, overrides=["budgets=[0.1, 0.2, 0.4]", "bootstrap=500"])
+    learned = {0.1: [1] * 10 + [0] * 10, 0.2: [0] * 20, 0.4: [1] * 20}  # 0.1 -> 0.2 loses 10 of 20 samples
+    rows = [{"sample_id": f"s{i}", "task": "niah_single_1", "route": "full", "budget": None, "score": 1.0} for i in range(20)]
+    rows += [{"sample_id": f"s{i}", "task": "niah_single_1", "route": "learned", "budget": b, "score": float(x)}
+             for b, xs in learned.items() for i, x in enumerate(xs)]
+    steps = A._answers(config, rows, "learned", [0.4, 0.1, 0.2])["main_vs_smaller_budget"]  # any order in
+    assert [(s["from"], s["to"]) for s in steps] == [(0.1, 0.2), (0.2, 0.4)]
+    by_hand = [sum(b - a for a, b in zip(learned[x], learned[y])) / 20 for x, y in ((0.1, 0.2), (0.2, 0.4))]
+    assert [s["vs_smaller_budget"]["diff"] for s in steps] == pytest.approx(by_hand)  # -0.5, +1.0
+    assert [s["drop"] for s in steps] == [True, False]
+    md = M.to_markdown({"config": {"budgets": [0.1]}, "protocols": {"agnostic": {
+        "n_eval_samples": 20, "valid_tasks": ["niah_single_1"], "left_out_tasks": [], "budgets": [],
+        "main_vs_smaller_budget": steps}}}, "learned")
+    assert "| all | 0.1 -> 0.2 | -50.0 [" in md and "**learned answers worse with more cache** at: all 0.1 -> 0.2." in md

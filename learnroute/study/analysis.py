@@ -157,6 +157,7 @@ def _answers(config: StudyConfig, rows: list[dict], main: str, budgets: list[Bud
         entry["by_task"] = by_task
         per_budget.append(entry)
     return {
+        "main_vs_smaller_budget": budget_steps(scores, main, budgets, config.bootstrap),
         "valid_tasks": sorted(valid),
         "left_out_tasks": sorted(set(full_task) - valid),
         "no_task_qualifies": all_tasks,
@@ -164,6 +165,19 @@ def _answers(config: StudyConfig, rows: list[dict], main: str, budgets: list[Bud
         "n_eval_samples": len(full),
         "budgets": per_budget,
     }
+
+
+def budget_steps(scores: dict, route: str, budgets: list[Budget], bootstrap: int) -> list[dict[str, Any]]:
+    """More cache must never answer worse (issue 58): ``route`` at each budget minus itself
+    at the next smaller budget of the same kind (tokens or fractions), paired over the same
+    samples. ``drop`` when the interval lies below 0, a loss to itself with less cache."""
+    steps = []
+    for kind in (int, float):
+        mine = sorted(b for b in budgets if type(b) is kind and (route, json.dumps(b)) in scores)
+        for small, large in zip(mine, mine[1:]):
+            d = paired(scores[(route, json.dumps(large))], scores[(route, json.dumps(small))], bootstrap)
+            steps.append({"from": small, "to": large, "vs_smaller_budget": d, "drop": d["verdict"] == "loss"})
+    return steps
 
 
 def family_split(rows: list[dict], calibration: dict[str, int]) -> dict[str, list[dict]]:

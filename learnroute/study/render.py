@@ -142,6 +142,26 @@ def _control_lines(res: dict[str, Any], main: str, where: str = "") -> list[str]
     return lines
 
 
+def _budget_step_lines(res: dict[str, Any], main: str) -> list[str]:
+    """More cache, never worse: the main route at each budget minus itself at the next
+    smaller one, in every split, a drop (the interval below 0) in bold."""
+    names = {"in": "in-family", "out": "out-of-family"}
+    splits = [("all", res), *((names.get(k, k), v) for k, v in res.get("families", {}).items())]
+    rows = [(name, s) for name, r in splits for s in r.get("main_vs_smaller_budget", [])]
+    if not rows:
+        return []
+    lines = ["", f"More cache, never worse: {main} at each budget minus {main} at the next smaller one "
+             "(paired; **drop**: the interval below 0).", "",
+             "| split | budgets | difference | worse with more cache |", "|---|---|---|---|"]
+    for name, s in rows:
+        lines.append(f"| {name} | {s['from']} -> {s['to']} | {_ci(s['vs_smaller_budget'])} | "
+                     f"{'**drop**' if s['drop'] else 'no'} |")
+    drops = [f"{name} {s['from']} -> {s['to']}" for name, s in rows if s["drop"]]
+    if drops:
+        lines += ["", f"**{main} answers worse with more cache** at: {', '.join(drops)}."]
+    return lines
+
+
 def to_markdown(result: dict[str, Any], main: str) -> str:
     """The answers to questions 1-8 as tables (scores x100, paired 95 % intervals)."""
     lines = ["# Study results", ""]
@@ -179,6 +199,7 @@ def to_markdown(result: dict[str, Any], main: str) -> str:
                 + (f"{q3['wins']}/{q3['ties']}/{q3['losses']} of {q3['tasks']}" if q3 else "n/a")
                 + f" | {'n/a' if gap is None else f'{100 * gap:.0f} %'} |"
             )
+        lines += _budget_step_lines(res, main)
         lines += ["", "Every route's average (x100) per budget:", ""]
         routes = sorted({r for e in res["budgets"] for r in e["avg"]})
         lines.append("| route | " + " | ".join(str(e["budget"]) for e in res["budgets"]) + " |")
