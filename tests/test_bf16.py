@@ -10,13 +10,13 @@ import json
 import pytest
 import torch
 import yaml
-from transformers import DynamicCache, pipeline
+from transformers import pipeline
 
 from learnroute import Engine, Route, RoutedPress
 from learnroute.cli import main
-from learnroute.methods import KVPRESS_METHODS, kvpress_press, resolve_budget
+from learnroute.methods import KVPRESS_METHODS
 from tests.conftest import PER_LAYER, make_tiny
-from tests.test_press import assert_same_up_to_ties, kept_positions
+from tests.test_press import assert_engine_keeps_what_kvpress_keeps
 
 ROUTES = [Route.full(4), Route.homogeneous("snapkv", 4, 0.3), Route.homogeneous("keydiff", 4, 0.3),
           Route.from_layers(["snapkv", "tova", "knorm", "h2o"], [8, 40, 0.25, 100]),
@@ -41,18 +41,7 @@ def test_engine_in_bf16_keeps_what_kvpress_keeps_in_bf16(bf16, tokenizer, sample
     """kvpress's own press on the bf16 model keeps the engine's tokens, up to ties at the
     threshold, which bf16 scores make common (SnapKV's pooled scores): torch.topk orders
     them its own way, the engine by position."""
-    engine = Engine(bf16, tokenizer)
-    pre = engine.prefill(engine.encode(sample.context, sample.question))
-    n = pre.n_tokens
-    cache = DynamicCache(config=bf16.config)
-    with torch.no_grad(), kvpress_press(method, resolve_budget(0.35, n), n)(bf16):
-        bf16.model(input_ids=pre.prompt.context_ids, past_key_values=cache)
-    kept = engine.kept_counts(Route.homogeneous(method, 4, 0.35), n)
-    for layer in range(4):
-        assert cache.layers[layer].keys.dtype == torch.bfloat16 and cache.layers[layer].keys.shape[2] == kept[layer]
-        theirs = kept_positions(cache.layers[layer].keys, pre.layers[layer].keys)
-        ours = engine.kept_indices(pre, layer, method, kept[layer])[0]
-        assert_same_up_to_ties(ours, theirs, engine.scores(pre, layer, method, kept[layer])[0], f"layer {layer}")
+    assert_engine_keeps_what_kvpress_keeps(bf16, tokenizer, sample, method)
 
 
 def test_mixed_and_per_head_routes_in_bf16_press_as_in_the_engine(tokenizer, sample):

@@ -97,18 +97,24 @@ def kept_positions(cache_keys, full_keys):
 
 @pytest.mark.parametrize("method", KVPRESS_METHODS)
 def test_engine_keeps_the_same_tokens_as_kvpress(tiny, tokenizer, sample, method):
+    assert_engine_keeps_what_kvpress_keeps(tiny, tokenizer, sample, method)
+
+
+def assert_engine_keeps_what_kvpress_keeps(model, tokenizer, sample, method: str) -> None:
+    """kvpress's own press, run in ``model``'s dtype, keeps the engine's tokens in every
+    layer (up to ties at the threshold); tests/test_bf16.py runs it in bfloat16."""
     import torch
     from transformers import DynamicCache
 
-    engine = Engine(tiny, tokenizer)
+    engine = Engine(model, tokenizer)
     pre = engine.prefill(engine.encode(sample.context, sample.question))
     n = pre.n_tokens
-    cache = DynamicCache(config=tiny.config)
-    with torch.no_grad(), kvpress_press(method, resolve_budget(0.35, n), n)(tiny):
-        tiny.model(input_ids=pre.prompt.context_ids, past_key_values=cache)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad(), kvpress_press(method, resolve_budget(0.35, n), n)(model):
+        model.model(input_ids=pre.prompt.context_ids, past_key_values=cache)
     kept = engine.kept_counts(Route.homogeneous(method, 4, 0.35), n)
     for layer in range(4):
-        assert cache.layers[layer].keys.shape[2] == kept[layer]
+        assert cache.layers[layer].keys.dtype == model.dtype and cache.layers[layer].keys.shape[2] == kept[layer]
         theirs = kept_positions(cache.layers[layer].keys, pre.layers[layer].keys)
         ours = engine.kept_indices(pre, layer, method, kept[layer])[0]
         assert_same_up_to_ties(ours, theirs, engine.scores(pre, layer, method, kept[layer])[0], f"layer {layer}")
