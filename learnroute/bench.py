@@ -26,6 +26,7 @@ from learnroute.route import Route, RouteError, budget_problem, parse_budget
 from learnroute.runs import (
     append_jsonl,
     device_problem,
+    DTYPE_HELP,
     dtype_problem,
     prepare_folder,
     process_state,
@@ -88,7 +89,7 @@ class BenchConfig:
     longbench_dir: str | None = field(
         default=None, metadata={"help": "folder of LongBench JSONL files (default $LEARNROUTE_LONGBENCH)"}
     )
-    dtype: str = field(default="float32", metadata={"help": "float32 | bfloat16: the model's weights and activations (bfloat16 halves the KV cache; answers can differ)"})
+    dtype: str = field(default="float32", metadata={"help": DTYPE_HELP})
     device: str = field(
         default="auto", metadata={"help": "auto (CUDA when available) | cpu | cuda (refused without CUDA)"}
     )

@@ -25,7 +25,7 @@ from typing import Any
 import yaml
 
 from learnroute.bench import BenchConfig, run_bench
-from learnroute.runs import atomic_write, prepare_folder, process_state
+from learnroute.runs import DTYPE_HELP, atomic_write, prepare_folder, process_state
 from learnroute.config import to_dict
 from learnroute.route import Route, RouteError
 
@@ -53,7 +53,7 @@ class PlacementConfig:
         default=False, metadata={"help": "end an answer once its score can no longer change (bench's option)"}
     )
     longbench_dir: str | None = field(default=None, metadata={"help": "folder of LongBench JSONL files"})
-    dtype: str = field(default="float32", metadata={"help": "float32 | bfloat16: the model's weights and activations (bfloat16 halves the KV cache; answers can differ)"})
+    dtype: str = field(default="float32", metadata={"help": DTYPE_HELP})
     device: str = field(
         default="auto", metadata={"help": "auto (CUDA when available) | cpu | cuda (refused without CUDA)"}
     )

@@ -36,7 +36,7 @@ from learnroute.config import to_dict
 from learnroute.methods.budgets import allocate_shares, resolve_budget
 from learnroute.methods.registry import METHODS
 from learnroute.route import LayerRoute, Route, RouteError, budget_problem
-from learnroute.runs import device_problem, dtype_problem
+from learnroute.runs import DTYPE_HELP, device_problem, dtype_problem
 from learnroute.tasks.ruler import Sample
 from learnroute.tasks.suite import calibration_problems, load_tasks
 
@@ -78,7 +78,7 @@ class ProfileConfig:
     )
     query_aware: bool = field(default=False, metadata={"help": "put the question in the prefill (scored)"})
     seed: int = field(default=0, metadata={"help": "seed of the calibration sample stream"})
-    dtype: str = field(default="float32", metadata={"help": "float32 | bfloat16: the model's weights and activations (bfloat16 halves the KV cache; answers can differ)"})
+    dtype: str = field(default="float32", metadata={"help": DTYPE_HELP})
     device: str = field(
         default="auto", metadata={"help": "auto (CUDA when available) | cpu | cuda (refused without CUDA)"}
     )

@@ -26,6 +26,7 @@ _RESUME_FREE = ("output", "wandb", "wandb_project", "max_batch", "max_padding", 
 DEVICES = ("auto", "cpu", "cuda")
 # The model dtypes a run may load in (``dtype`` of every config; gates and adapters stay float32).
 DTYPES = ("float32", "bfloat16")
+DTYPE_HELP = "float32 | bfloat16: the model's weights and activations (bfloat16 halves the KV cache; answers can differ)"
 
 
 def versions() -> dict[str, Any]:

@@ -13,7 +13,7 @@ from learnroute.gates.gates import LAYER_TOTALS, LEARN, MIXING
 from learnroute.gates.topk import RELAXATIONS
 from learnroute.methods.registry import METHODS
 from learnroute.route import Route, RouteError, budget_problem
-from learnroute.runs import device_problem, dtype_problem
+from learnroute.runs import DTYPE_HELP, device_problem, dtype_problem
 from learnroute.tasks.ruler import TASKS
 from learnroute.tasks.suite import calibration_problems
 
@@ -178,7 +178,7 @@ class TrainConfig:
     select: str = field(default="best_val", metadata={"help": "best_val: export the best validated step; last"})
     save_every: int = field(default=50, metadata={"help": "checkpoint every N steps"})
     query_aware: bool = field(default=False, metadata={"help": "put the question in the prefill (scored)"})
-    dtype: str = field(default="float32", metadata={"help": "float32 | bfloat16: the model's weights and activations (bfloat16 halves the KV cache; answers can differ)"})
+    dtype: str = field(default="float32", metadata={"help": DTYPE_HELP})
     device: str = field(default="auto", metadata={"help": "auto | cpu | cuda"})
     output: str = field(default="runs/train/default", metadata={"help": "run folder"})
     wandb: bool = field(default=False, metadata={"help": "log to Weights & Biases (offline without network)"})
