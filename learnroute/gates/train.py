@@ -542,7 +542,7 @@ def run_train(config: TrainConfig, overwrite: bool = False, progress: bool = Tru
     stages = stage_configs(config)
     if len(stages) == 1:
         return _train_one(stages[0], overwrite, progress)
-    conflicts = [c for cfg in stages if (c := folder_conflict(cfg))]
+    conflicts = _stage_conflicts([config])
     if conflicts and not overwrite:
         raise ConfigError("; ".join(conflicts))
     if conflicts:
@@ -555,6 +555,11 @@ def run_train(config: TrainConfig, overwrite: bool = False, progress: bool = Tru
             out = _train_one(cfg, False, progress)
             process_state().wait_for_everyone()  # rank 0 writes route.json last: the next stage reads it
     return out
+
+
+def _stage_conflicts(configs: list[TrainConfig]) -> list[str]:
+    """Why the folder of any stage of ``configs`` cannot resume (each a folder_conflict)."""
+    return [c for config in configs for stage in stage_configs(config) if (c := folder_conflict(stage))]
 
 
 def _train_one(config: TrainConfig, overwrite: bool, progress: bool) -> Path:
@@ -613,7 +618,7 @@ def run_train_seeds(
     tokens on 2 CPU cores that is 12 minutes a seed). Every run folder is checked before
     the first run starts, so a conflict in the last one does not wait for the others."""
     configs = seed_configs(config, seeds)
-    if not overwrite and (conflicts := [c for cfg in configs for st in stage_configs(cfg) if (c := folder_conflict(st))]):
+    if not overwrite and (conflicts := _stage_conflicts(configs)):
         raise ConfigError("; ".join(conflicts))
     outs = []
     with shared_calibration():
