@@ -33,7 +33,8 @@ import torch
 from learnroute.engine import Engine
 from learnroute.gates.cotrain import AdapterTraining, FixedGates
 from learnroute.gates.gates import Gates
-from learnroute.gates.train import CANDIDATES, answer_loss, frozen, prepare_item
+from learnroute.gates.calibration import prepare_item
+from learnroute.gates.train import CANDIDATES, answer_loss, frozen
 from learnroute.models import load_model, model_name
 from learnroute.route import Route
 from learnroute.tasks.suite import load_task

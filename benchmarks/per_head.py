@@ -76,7 +76,8 @@ def main() -> None:
     import learnroute as lr
     from learnroute.demo import needle_sample
     from learnroute.gates.gates import Gates
-    from learnroute.gates.train import CANDIDATES, answer_loss, frozen, prepare_item
+    from learnroute.gates.calibration import prepare_item
+    from learnroute.gates.train import CANDIDATES, answer_loss, frozen
     from learnroute.tasks.suite import load_task
 
     torch.set_num_threads(args.threads)

@@ -1,15 +1,16 @@
 """Prefills shared across a study's stages: the time of a later stage with and without.
 
 A study's stages go over the same samples: the bench, then its controls (and the
-placement) over the eval samples. Inside :func:`learnroute.engine.shared_prefills` (the
-study opens it; ``prefill_cache_gib``) a later stage gets each sample's prefill, and the
-method scores computed from it, from the earlier stage instead of making them again.
+placement) over the eval samples. With one :class:`learnroute.engine.PrefillStore` handed
+to every stage's engine (the study makes one; ``prefill_cache_gib``) a later stage gets each
+sample's prefill, and the method scores computed from it, from the earlier stage instead of
+making them again.
 
 This runs two stages on the same samples, as separate engines (a study's stages build
 their own), in two modes alternating in rounds, in one process:
 
 - ``separate``: every stage prefills and scores its samples itself (as before);
-- ``shared``: both stages inside one ``shared_prefills`` block.
+- ``shared``: both stages' engines handed one ``PrefillStore``.
 
 Stage 1 is the default study's bench (the full cache and the ten candidate methods at 10
 and 20 % kept); stage 2 its controls (pyramid and Ada-KV over keydiff and
@@ -48,7 +49,7 @@ def main() -> None:
     import torch
 
     import learnroute as lr
-    from learnroute.engine import shared_prefills
+    from learnroute.engine import PrefillStore
     from learnroute.route import Route
     from learnroute.tasks.ruler import make_sample
 
@@ -63,8 +64,9 @@ def main() -> None:
     samples = [make_sample(args.tasks[i % len(args.tasks)], tok, args.tokens, "eval", 0, i // len(args.tasks))
                for i in range(args.samples)]
 
-    def stage(routes) -> tuple[float, list[list[int]]]:
-        engine = lr.Engine(model, tok, max_new_tokens=args.max_new_tokens)  # each stage its own, as in a study
+    def stage(routes, store) -> tuple[float, list[list[int]]]:
+        # each stage its own engine, as in a study
+        engine = lr.Engine(model, tok, max_new_tokens=args.max_new_tokens, prefills=store)
         start, answers = time.perf_counter(), []
         for s in samples:
             prefill = engine.prefill(engine.encode(s.context, s.question, s.answer_prefix))
@@ -76,13 +78,13 @@ def main() -> None:
     kept = {}
     for _ in range(args.rounds):
         for mode in ("separate", "shared"):  # alternating: drifts of the machine hit both modes alike
-            with shared_prefills(4 * 2**30 if mode == "shared" else 0) as shared:
-                got = []
-                for name, routes in stage_routes.items():
-                    seconds, out = stage(routes)
-                    times[(mode, name)].append(seconds)
-                    got += out
-                kept[mode] = {"hits": shared.hits, "made": shared.made, "gib": round(shared.bytes / 2**30, 3)}
+            shared = PrefillStore(4 * 2**30 if mode == "shared" else 0)
+            got = []
+            for name, routes in stage_routes.items():
+                seconds, out = stage(routes, shared)
+                times[(mode, name)].append(seconds)
+                got += out
+            kept[mode] = {"hits": shared.hits, "made": shared.made, "gib": round(shared.bytes / 2**30, 3)}
             answers[mode] = got
     med = {f"{mode}_{name}_s": round(statistics.median(v), 1) for (mode, name), v in times.items()}
     report = {

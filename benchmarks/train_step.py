@@ -24,7 +24,8 @@ import time
 import torch
 
 from learnroute.engine import Engine
-from learnroute.gates.train import CANDIDATES, answer_loss, prepare_item, frozen
+from learnroute.gates.calibration import prepare_item
+from learnroute.gates.train import CANDIDATES, answer_loss, frozen
 from learnroute.gates.gates import Gates
 from learnroute.models import load_model
 from learnroute.tasks.suite import load_task

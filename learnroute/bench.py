@@ -237,8 +237,9 @@ def resolve_routes(config: BenchConfig, n_layers: int, model: str) -> list[Cell]
 # ---------------------------------------------------------------------------- the run
 
 
-def run_bench(config: BenchConfig, overwrite: bool = False) -> Path:
-    """Evaluate every cell on every sample (this process's shard); returns the run folder."""
+def run_bench(config: BenchConfig, overwrite: bool = False, *, prefills=None) -> Path:
+    """Evaluate every cell on every sample (this process's shard); returns the run folder.
+    ``prefills``: a :class:`~learnroute.engine.PrefillStore` shared with other stages."""
     from tqdm import tqdm
 
     from learnroute import _hf
@@ -266,7 +267,8 @@ def run_bench(config: BenchConfig, overwrite: bool = False) -> Path:
     done = {result_key(r) for r in read_jsonl(out / "results.jsonl")}
     mine = samples[rank::world]
     engine = Engine(
-        model, tokenizer, query_aware=config.query_aware, max_batch=config.max_batch, max_padding=config.max_padding
+        model, tokenizer, query_aware=config.query_aware, max_batch=config.max_batch, max_padding=config.max_padding,
+        prefills=prefills,
     )
     engine.check_routes([c.route for c in cells])  # adapters named by route files fit the model, before any forward
     newline_id = tokenizer.encode("\n", add_special_tokens=False)[-1]  # as LongBench's pred.py takes it

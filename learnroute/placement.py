@@ -184,8 +184,9 @@ def histogram(scores: list[float], given: float, full: float | None, path: Path)
     plt.close(fig)
 
 
-def run_placement(config: PlacementConfig, overwrite: bool = False) -> Path:
-    """Draw placements, evaluate them through the bench, and report the given route's rank."""
+def run_placement(config: PlacementConfig, overwrite: bool = False, *, prefills=None) -> Path:
+    """Draw placements, evaluate them through the bench, and report the given route's rank
+    (``prefills``: a :class:`~learnroute.engine.PrefillStore` shared with other stages)."""
     from learnroute.summary import AVG, aggregate, load_rows
 
     out = Path(config.output)
@@ -210,7 +211,7 @@ def run_placement(config: PlacementConfig, overwrite: bool = False) -> Path:
     else:
         prepare_folder(bench, overwrite, is_main=False)  # a different config: every rank refuses
     state.wait_for_everyone()
-    run_bench(bench)
+    run_bench(bench, prefills=prefills)
     if not state.is_main_process:
         return out
     table = aggregate(load_rows(out))

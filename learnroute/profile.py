@@ -519,8 +519,9 @@ def aggregate(config: ProfileConfig, model: str, n_layers: int, cells: list[dict
     }
 
 
-def run_profile(config: ProfileConfig, overwrite: bool = False, progress: bool = True) -> Path:
+def run_profile(config: ProfileConfig, overwrite: bool = False, progress: bool = True, *, prefills=None) -> Path:
     """Profile every (layer, method, budget) on the calibration samples; resumable.
+    ``prefills``: a :class:`~learnroute.engine.PrefillStore` shared with other stages.
 
     Under torchrun / accelerate launch the samples are sharded across ranks (each appends
     its rows to ``cells.jsonl``); rank 0 aggregates once every rank is done. One sample's
@@ -551,7 +552,7 @@ def run_profile(config: ProfileConfig, overwrite: bool = False, progress: bool =
         existing = {r["id"] for r in read_jsonl(out / "samples.jsonl")}
         append_jsonl(out / "samples.jsonl", [s.to_dict() for s in samples if s.id not in existing])
     done = {c["sample_id"] for c in read_jsonl(out / "cells.jsonl")}
-    engine = Engine(model, tokenizer, query_aware=config.query_aware)
+    engine = Engine(model, tokenizer, query_aware=config.query_aware, prefills=prefills)
     mine = samples[rank::world]
     desc = f"profile[{rank}]" if world > 1 else "profile"
     for s in tqdm(mine, desc=desc, unit="sample", disable=not progress or not state.is_main_process):

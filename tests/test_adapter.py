@@ -19,6 +19,7 @@ from learnroute.cli import main
 from learnroute.config import ConfigError, load_config
 from learnroute.engine import Engine
 from learnroute.gates import cotrain
+from learnroute.gates import calibration as C
 from learnroute.gates import train as T
 from learnroute.gates.export import export_cli
 from learnroute.route import Route
@@ -281,7 +282,7 @@ def test_exported_adapter_reloads_to_the_training_logits(fixed_run, tiny_dir, tm
     engine = Engine(model, tok, max_new_tokens=4)
     split = json.loads((fixed_run / "split.json").read_text())
     pairs = load_tasks(config.tasks, tok, config.context_tokens, "calibration", config.seed)
-    val = [T.prepare_item(engine, t, s, config.methods, False) for t, s in pairs if s.id in split["val"]]
+    val = [C.prepare_item(engine, t, s, config.methods, False) for t, s in pairs if s.id in split["val"]]
     gates = T.build_gates(config, 4, [True] * 4)
     logged = [r["val_ce"] for r in read_jsonl(fixed_run / "history.jsonl") if "val_ce" in r]
     with A.using(model, A.Adapter.load(fixed_run / "route.adapter")):

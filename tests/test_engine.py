@@ -339,19 +339,21 @@ def test_padding_slots_are_never_attended(tiny, tokenizer, sample, monkeypatch):
     pre = engine.prefill(engine.encode(sample.context, sample.question))
     routes = _shaped_routes()
     clean = engine.answer(pre, routes, keep_logits=True)
-    original = Engine._gather_into
+    from learnroute.engine import compress
 
-    def poisoned(self, prefill, routes, heads, layer, k, v):
+    original = compress.gather_into
+
+    def poisoned(prefill, picks, heads, layer, k, v):
         k.fill_(1e4)
         v.fill_(1e4)
-        original(self, prefill, routes, heads, layer, k, v)
+        original(prefill, picks, heads, layer, k, v)
         longest = max(max(c[layer]) for c in heads)
         for row, c in enumerate(heads):  # rewrite each (row, head)'s padding slots after the real gather
             for h, kept in enumerate(c[layer]):
                 k[row, h, kept:longest] = 1e4
                 v[row, h, kept:longest] = 1e4
 
-    monkeypatch.setattr(Engine, "_gather_into", poisoned)
+    monkeypatch.setattr(compress, "gather_into", poisoned)
     dirty = engine.answer(pre, routes, keep_logits=True)
     for a, b in zip(clean, dirty):
         torch.testing.assert_close(a.first_logits, b.first_logits)
@@ -382,14 +384,16 @@ def test_parked_answers_finish_like_uninterrupted_decoding(tokenizer, sample, pa
     stop = ref[1].token_ids[4]  # a token some answers produce mid-way: they end before or after parking
     monkeypatch.setattr(model.generation_config, "eos_token_id", stop)
     ref = alone.answer(pre, routes, keep_logits=True)
+    from learnroute.engine import core
+
     resumed = []
-    original = Engine._resume
+    original = core.resume
 
-    def spy(self, parked, *a, **k):
+    def spy(model, parked, *a, **k):
         resumed.append(len(parked))
-        return original(self, parked, *a, **k)
+        return original(model, parked, *a, **k)
 
-    monkeypatch.setattr(Engine, "_resume", spy)
+    monkeypatch.setattr(core, "resume", spy)
     engine = Engine(model, tokenizer, max_new_tokens=10, max_batch=3, max_padding=padding, park_after=3)
     got = engine.answer(pre, routes, keep_logits=True)
     assert resumed and resumed[0] >= 2  # rows of several batches were parked and finished together
@@ -444,11 +448,11 @@ def shared_answers(engine, prompt, routes):
                                                                                   keep_logits=True)]
 
 
-def test_shared_prefills_answer_as_separate_prefills_across_engines_and_models(tokenizer, sample, tiny_dir):
-    from learnroute.engine import shared_prefills
+def test_a_prefill_store_answers_as_separate_prefills_across_engines_and_models(tokenizer, sample, tiny_dir):
+    from learnroute.engine import PrefillStore
 
     routes = [Route.homogeneous(m, 4, 0.3) for m in SHARED_ROUTES] + [mixed_route()]
-    # The reference: a fresh model, engine and prefill per question, outside any block.
+    # The reference: a fresh model, engine and prefill per question, without a store.
     model, _ = lr.load_model(tiny_dir)
     plain = Engine(model, tokenizer, max_new_tokens=6)
     prompt = plain.encode(sample.context, sample.question, sample.answer_prefix)
@@ -456,34 +460,35 @@ def test_shared_prefills_answer_as_separate_prefills_across_engines_and_models(t
     aware_prompt = aware.encode(sample.context, sample.question, sample.answer_prefix)
     reference = shared_answers(plain, prompt, routes)
     aware_reference = shared_answers(aware, aware_prompt, routes)
-    with shared_prefills(2**30) as shared:
-        # A first stage: its own model object and engine, one method scored and decoded.
-        first_model, _ = lr.load_model(tiny_dir)
-        first = Engine(first_model, tokenizer, max_new_tokens=6)
-        first.answer(first.prefill(prompt), routes[:1])
-        assert (shared.made, shared.hits) == (1, 0)
-        # A later stage reloads the model: same weights, served from the block.
-        later_model, _ = lr.load_model(tiny_dir)
-        later = Engine(later_model, tokenizer, max_new_tokens=6)
-        got = shared_answers(later, prompt, routes)
-        assert (shared.made, shared.hits) == (1, 1)
-        # The question in the prefill is another context: prefilled anew.
-        got_aware = shared_answers(Engine(later_model, tokenizer, max_new_tokens=6, query_aware=True), aware_prompt,
-                                   routes)
-        assert (shared.made, shared.hits) == (2, 1)
-        # Other weights under the same name: never served another model's prefill.
-        other = make_tiny(tokenizer, seed=1)
-        other.config._name_or_path = later_model.config._name_or_path
-        other_engine = Engine(other, tokenizer, max_new_tokens=6)
-        got_other = shared_answers(other_engine, prompt, routes)
-        assert (shared.made, shared.hits) == (3, 1)
-        # Other method options score differently: not shared either.
-        windowed = Engine(later_model, tokenizer, max_new_tokens=6, method_options={"snapkv": {"window_size": 4}})
-        windowed.prefill(prompt)
-        assert (shared.made, shared.hits) == (4, 1)
-        # Reused by a second answer on the same engine too (the first stage's scores kept).
-        assert shared_answers(later, prompt, routes[:2])[0][0] == got[0][0]
-        assert shared.hits == 2
+    shared = PrefillStore(2**30)  # handed to every engine below
+    # A first stage: its own model object and engine, one method scored and decoded.
+    first_model, _ = lr.load_model(tiny_dir)
+    first = Engine(first_model, tokenizer, max_new_tokens=6, prefills=shared)
+    first.answer(first.prefill(prompt), routes[:1])
+    assert (shared.made, shared.hits) == (1, 0)
+    # A later stage reloads the model: same weights, served from the block.
+    later_model, _ = lr.load_model(tiny_dir)
+    later = Engine(later_model, tokenizer, max_new_tokens=6, prefills=shared)
+    got = shared_answers(later, prompt, routes)
+    assert (shared.made, shared.hits) == (1, 1)
+    # The question in the prefill is another context: prefilled anew.
+    got_aware = shared_answers(Engine(later_model, tokenizer, max_new_tokens=6, query_aware=True, prefills=shared),
+                               aware_prompt, routes)
+    assert (shared.made, shared.hits) == (2, 1)
+    # Other weights under the same name: never served another model's prefill.
+    other = make_tiny(tokenizer, seed=1)
+    other.config._name_or_path = later_model.config._name_or_path
+    other_engine = Engine(other, tokenizer, max_new_tokens=6, prefills=shared)
+    got_other = shared_answers(other_engine, prompt, routes)
+    assert (shared.made, shared.hits) == (3, 1)
+    # Other method options score differently: not shared either.
+    windowed = Engine(later_model, tokenizer, max_new_tokens=6, method_options={"snapkv": {"window_size": 4}},
+                      prefills=shared)
+    windowed.prefill(prompt)
+    assert (shared.made, shared.hits) == (4, 1)
+    # Reused by a second answer on the same engine too (the first stage's scores kept).
+    assert shared_answers(later, prompt, routes[:2])[0][0] == got[0][0]
+    assert shared.hits == 2
     for mine, ref in zip(got + got_aware, reference + aware_reference):
         assert mine[:2] == ref[:2]
         assert torch.equal(mine[2], ref[2])  # bit for bit: the same prefill, the same scores
@@ -492,9 +497,8 @@ def test_shared_prefills_answer_as_separate_prefills_across_engines_and_models(t
     assert any(not torch.equal(a[2], b[2]) for a, b in zip(got_other, reference))  # the test can tell models apart
 
 
-def test_shared_prefills_keep_what_fits_and_release_it_on_exit(tiny, tokenizer, sample):
-    from learnroute import engine as engine_module
-    from learnroute.engine import capture_bytes, shared_prefills
+def test_a_prefill_store_keeps_what_fits_and_releases_it_on_clear(tiny, tokenizer, sample):
+    from learnroute.engine import PrefillStore, capture_bytes
 
     engine = Engine(tiny, tokenizer, max_new_tokens=4)
     prompts = [engine.encode(sample.context[: len(sample.context) - 40 * i], sample.question) for i in range(3)]
@@ -502,14 +506,18 @@ def test_shared_prefills_keep_what_fits_and_release_it_on_exit(tiny, tokenizer, 
     n, d, h_kv = prompts[0].context_ids.shape[1], tiny.config.head_dim, tiny.config.num_key_value_heads
     # Keys, values and attention inputs per layer, one RoPE table (cos, sin): float32.
     assert size == 4 * (4 * n * (2 * h_kv * d + tiny.config.hidden_size) + 2 * n * d)
-    with shared_prefills(int(1.5 * size)) as shared:  # room for the first only: the first is kept
-        for p in prompts + prompts:
-            engine.prefill(p)
-        assert (shared.hits, shared.made, shared.not_kept) == (1, 5, 4)
-        with shared_prefills(0) as inner:  # an inner block shares the outer one
-            assert inner is shared
-    assert engine_module._SHARED_PREFILLS is None
-    with shared_prefills(0) as none:
-        engine.prefill(prompts[0])
-        engine.prefill(prompts[0])
-        assert (none.hits, none.made, none.not_kept) == (0, 2, 2)
+    shared = PrefillStore(int(1.5 * size))  # room for the first only: the first is kept
+    engine = Engine(tiny, tokenizer, max_new_tokens=4, prefills=shared)
+    for p in prompts + prompts:
+        engine.prefill(p)
+    assert (shared.hits, shared.made, shared.not_kept) == (1, 5, 4)
+    shared.clear()
+    assert (shared.entries, shared.bytes) == ({}, 0)
+    engine.prefill(prompts[0])
+    assert (shared.hits, shared.made) == (1, 6)  # released: made anew
+    none = PrefillStore(0)
+    engine = Engine(tiny, tokenizer, max_new_tokens=4, prefills=none)
+    engine.prefill(prompts[0])
+    engine.prefill(prompts[0])
+    assert (none.hits, none.made, none.not_kept) == (0, 2, 2)
+    assert Engine(tiny, tokenizer).prefills is None  # no store unless given one

@@ -185,6 +185,8 @@ def test_split_heads_of_several_routes_share_a_batch_and_rows_leave_it(tokenizer
     across rows only), rows leaving the batch as they end: every answer is the masked full
     cache's answer (the reference above), cut where the route's answer ended."""
     from learnroute._hf.cache import _SplitHeadsLayer
+    from learnroute.engine.compress import decode_cache
+    from learnroute.engine.decode import greedy_decode, stop_tokens
 
     model = make_tiny(tokenizer, seed=3)
     engine = Engine(model, tokenizer, max_new_tokens=8, max_padding=100.0)
@@ -201,11 +203,11 @@ def test_split_heads_of_several_routes_share_a_batch_and_rows_leave_it(tokenizer
                         lambda self, idx: (selected.append(len(idx)), select(self, idx))[1])
     heads = [engine.kept_head_counts(r, pre.n_tokens) for r in routes]
     q = pre.prompt.question_ids.shape[1]
-    cache = engine._decode_cache(pre, routes, heads, q + 8, None)
+    cache = decode_cache(model, pre, engine._picks(pre, routes, heads), heads, q + 8, None, "split")
     assert all(isinstance(x, _SplitHeadsLayer) for x in cache.layers)  # a per-head row in every layer
     ends = [2, 8, 3]  # rows end after these many tokens; two of three ended: they leave the batch
-    tokens, _, _ = engine._decode(cache, pre.prompt.question_ids, pre.n_tokens, 3, 8,
-                                  done_if=lambda row, toks: len(toks) >= ends[row])
+    tokens = greedy_decode(model, cache, pre.prompt.question_ids.expand(3, q), pre.n_tokens, max_new_tokens=8,
+                           stops=stop_tokens(model), done_if=lambda row, toks: len(toks) >= ends[row]).tokens
     got = engine.answer(pre, routes)
     for route, result in zip(routes, got):
         heads = engine.kept_head_counts(route, pre.n_tokens)

@@ -568,7 +568,7 @@ def test_controls_follow_each_family_splits_best_method(tmp_path, monkeypatch):
         "calibration={niah_single_1: 4}", "eval_tasks={niah_single_1: 4, kv_json: 3}", "budgets=[0.1]",
         "methods=[snapkv, tova]", "pyramid=[]", f"output={tmp_path / 'study'}"])
     ran = []
-    monkeypatch.setattr(bench, "run_bench", lambda cfg: ran.append(list(cfg.routes)))
+    monkeypatch.setattr(bench, "run_bench", lambda cfg, **_: ran.append(list(cfg.routes)))
 
     class Single:
         is_main_process = True

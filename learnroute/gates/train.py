@@ -42,6 +42,9 @@ import torch
 
 from learnroute.config import ConfigError
 from learnroute.gates import cotrain
+from learnroute.gates.calibration import (
+    STREAM_OFFSET, CalibItem, CalibrationStore, Stream, calibration_items,
+)
 from learnroute.gates.checkpoint import checkpoint_meta, latest_checkpoint, load_gates, save_gates
 from learnroute.gates.config import (
     CANDIDATES, SEED_FIELD, SEED_SUFFIX, SELECT, TrainConfig, init_route_file, optimisation_seed, stage_configs,
@@ -52,62 +55,12 @@ from learnroute.methods.budgets import Budget, mean_tokens
 from learnroute.route import Route, RouteError
 from learnroute.runs import folder_conflict, move_aside, process_state
 
-__all__ = ["CANDIDATES", "SELECT", "TrainConfig", "TrainingError", "run_train", "run_train_seeds", "shared_calibration"]
+__all__ = ["CANDIDATES", "SELECT", "TrainConfig", "TrainingError", "run_train", "run_train_seeds"]
 logger = logging.getLogger("learnroute.train")
 
 
 class TrainingError(RuntimeError):
     """Training cannot go on (e.g. the loss became NaN); the message says what was kept."""
-
-
-# ---------------------------------------------------------------------------- calibration data
-
-
-@dataclass
-class CalibItem:
-    """One calibration sample, prefilled once: what every training step needs of it."""
-
-    sample_id: str
-    task: str
-    kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (1, H_kv, n_l, d)
-    ranks: torch.Tensor  # (L, M, H_kv, n): per-method ranks in [0, 1] (fixed layers: zeros)
-    ids: torch.Tensor  # (1, q + a): question then reference answer
-    positions: torch.Tensor  # (1, q + a): original positions after the context
-    keep: slice  # logits at these positions predict the answer tokens
-    target: torch.Tensor  # (a,)
-    ref_logp: torch.Tensor | None  # (a, V) full-cache log-probs (for the KL term)
-
-    @property
-    def n_tokens(self) -> int:
-        return int(self.ranks.shape[-1])
-
-
-def prepare_item(engine, task: str, sample, methods: list[str], with_ref: bool) -> CalibItem:
-    """Prefill ``sample`` once, rank every method's scores in every compressible layer."""
-    from learnroute import _hf
-    from learnroute.methods.mixing import rank_normalize
-    from learnroute.profile import teacher_forcing
-
-    tf = teacher_forcing(engine, sample)
-    with torch.no_grad():
-        prefill = engine.prefill(tf.prompt)
-        n = prefill.n_tokens
-        engine.check_routes([Route.homogeneous(m, engine.n_layers, 1) for m in methods], n)
-        h = prefill.layers[0].keys.shape[1]
-        ranks = torch.zeros(engine.n_layers, len(methods), h, n, device=engine.model.device)  # (L, M, H_kv, n)
-        for layer in range(engine.n_layers):
-            if engine.is_fixed(layer, prefill.layer_tokens[layer], n):
-                continue
-            for j, m in enumerate(methods):
-                ranks[layer, j] = rank_normalize(engine.scores(prefill, layer, m)[0])  # (H_kv, n)
-        kv = [(c.keys, c.values) for c in prefill.layers]
-        ref = None
-        if with_ref:
-            logits = _hf.forward_tokens(engine.model, kv, tf.ids, tf.positions, keep=tf.keep)  # (1, a, V)
-            ref = torch.log_softmax(logits[0].float(), -1)  # (a, V)
-    # Drop the capture's hidden states and memoised scores: only keys/values are needed.
-    del prefill
-    return CalibItem(sample.id, task, kv, ranks, tf.ids, tf.positions, tf.keep, tf.answer[0], ref)
 
 
 # ---------------------------------------------------------------------------- losses
@@ -177,31 +130,6 @@ def validate_hard(model, gates: Gates, items: list[CalibItem], routes: dict[Budg
     return sum(total) / len(total)
 
 
-# ---------------------------------------------------------------------------- calibration prefills
-
-
-# Calibration items shared by the training runs inside one :func:`shared_calibration`
-# block, by (model, device, protocol, methods, KL term, sample id). A study trains a dozen
-# variants on one calibration set: each would prefill and score every sample again (~3 s
-# per 1k-token sample on 2 CPU cores). Outside such a block a run's items are dropped when
-# it returns, so nothing holds calibration caches through later stages.
-_SHARED: dict[tuple, CalibItem] | None = None
-
-
-@contextlib.contextmanager
-def shared_calibration():
-    """Training runs inside the block share their calibration prefills (read-only during
-    training); all of them are released when the outermost block exits."""
-    global _SHARED
-    outer = _SHARED
-    if outer is None:
-        _SHARED = {}
-    try:
-        yield
-    finally:
-        _SHARED = outer
-
-
 # ---------------------------------------------------------------------------- the run, in stages
 
 
@@ -217,13 +145,16 @@ class _Run:
     engine: Any  # learnroute.engine.Engine
     name: str  # the model's name, checked by checkpoints
     progress: bool
+    calibration: CalibrationStore  # where this run's calibration items are made (or found)
 
     @property
     def main(self) -> bool:
         return self.acc.is_main_process
 
 
-def _setup(config: TrainConfig, overwrite: bool, progress: bool) -> _Run:
+def _setup(
+    config: TrainConfig, overwrite: bool, progress: bool, calibration: CalibrationStore, prefills=None
+) -> _Run:
     """Devices, the run folder and its log, the frozen model and the engine."""
     from accelerate import Accelerator
 
@@ -237,10 +168,10 @@ def _setup(config: TrainConfig, overwrite: bool, progress: bool) -> _Run:
     log = _logger(out / "train.log", acc.is_main_process)
     model, tokenizer = load_model(config.model, dtype=config.dtype)
     model.to(acc.device)
-    engine = Engine(model, tokenizer, query_aware=config.query_aware)
+    engine = Engine(model, tokenizer, query_aware=config.query_aware, prefills=prefills)
     # a warm-start route for another layer (or head) count fails here, before any prefill
     init_from(config, engine.n_layers, n_heads=engine.n_kv_heads if config.per_head_gates else 1)
-    return _Run(config, acc, out, log, model, engine, model_name(model), progress)
+    return _Run(config, acc, out, log, model, engine, model_name(model), progress, calibration)
 
 
 def _split(run: _Run) -> tuple[list, list[int], list[int]]:
@@ -271,83 +202,6 @@ def _split(run: _Run) -> tuple[list, list[int], list[int]]:
     return pairs, train_idx, val_idx
 
 
-def _prefill(run: _Run, pairs: list, indices: list[int]) -> dict[int, CalibItem]:
-    """This process's calibration items (prefilled once; shared inside :func:`shared_calibration`)."""
-    from tqdm import tqdm
-
-    config = run.config
-    # The sample id fixes task, split, context length, seed and index; the model is
-    # named by its path (or the default) and its converted name.
-    same = (config.model, run.name, str(run.acc.device), config.query_aware, tuple(config.methods), config.kl_weight > 0)
-    cache = _SHARED if _SHARED is not None else {}
-    items = {}
-    for i in tqdm(indices, desc="prefill", disable=not run.progress or not run.main):
-        key = (*same, pairs[i][1].id)
-        if key not in cache:
-            task, sample = pairs[i]
-            cache[key] = prepare_item(run.engine, task, sample, config.methods, config.kl_weight > 0)
-        items[i] = cache[key]
-    return items
-
-
-# Stream samples are indexed from here on in each family's calibration stream, far past any
-# fixed set (``tasks``' counts): the stream never repeats a validation sample.
-STREAM_OFFSET = 1_000_000
-
-
-class _Stream:
-    """Fresh calibration samples as training goes (``stream`` per step), from the calibration
-    split of ``tasks``' families weighted by their counts. Step ``s`` draws the samples
-    ``(family, STREAM_OFFSET + s·stream + j)``, the family from the step's seed, so a
-    resumed run draws what an uninterrupted one does. With ``stream_pool`` the batch is
-    ``batch_size`` samples drawn from the last ``stream_pool`` drawn; prefills are made on
-    demand and the last ``max(stream_pool, stream)`` kept."""
-
-    def __init__(self, run: _Run) -> None:
-        from collections import OrderedDict
-
-        self.run, self.config = run, run.config
-        self.families = list(self.config.tasks)
-        self.weights = torch.tensor([float(self.config.tasks[f]) for f in self.families])
-        self.cache: OrderedDict[str, CalibItem] = OrderedDict()
-        self.keep = max(self.config.stream_pool, self.config.stream)
-
-    def drawn(self, step: int) -> list[tuple[str, int]]:
-        """(family, index) of the samples step ``step`` draws fresh."""
-        rng = torch.Generator().manual_seed(self.config.seed * 1_000_003 + step + 7)
-        picks = torch.multinomial(self.weights, self.config.stream, replacement=True, generator=rng).tolist()
-        return [(self.families[f], STREAM_OFFSET + step * self.config.stream + j) for j, f in enumerate(picks)]
-
-    def batch(self, step: int, rng: torch.Generator) -> list[tuple[str, int]]:
-        """The step's batch: its fresh samples, or ``batch_size`` of the pool (which ends with them)."""
-        if not self.config.stream_pool:
-            return self.drawn(step)
-        per = self.config.stream
-        first = max(0, step + 1 - self.config.stream_pool // per)
-        pool = [x for s in range(first, step + 1) for x in self.drawn(s)][-self.config.stream_pool :]
-        order = torch.randperm(len(pool), generator=rng)[: self.config.batch_size]
-        return [pool[int(i)] for i in order]
-
-    def item(self, family: str, index: int) -> CalibItem:
-        """The sample's prefill (made once while it stays in the pool)."""
-        from learnroute import adapter as _adapter
-        from learnroute.tasks.ruler import make_sample
-
-        config = self.config
-        sample = make_sample(family, self.run.engine.tokenizer, config.context_tokens, "calibration", config.seed, index)
-        if sample.split != "calibration":  # a programming error, never user input
-            raise RuntimeError("gates must train on calibration samples only")
-        if sample.id not in self.cache:
-            # An adapter being trained is on for the step; the prefill and the KL reference
-            # are the base model's, as for the fixed set (prefilled before the adapter existed).
-            with _adapter.adapters_off(self.run.model):
-                self.cache[sample.id] = prepare_item(self.run.engine, family, sample, config.methods, config.kl_weight > 0)
-            while len(self.cache) > self.keep:
-                self.cache.popitem(last=False)
-        self.cache.move_to_end(sample.id)
-        return self.cache[sample.id]
-
-
 class _Trainer:
     """The optimisation of one run: gates (+ adapter), AdamW, resume, validation, steps,
     checkpoints. Built after the prefills; :meth:`fit` runs the remaining steps."""
@@ -358,7 +212,7 @@ class _Trainer:
 
         config, self.run, self.items = run.config, run, items
         self.train_idx, self.mine = train_idx, set(mine)
-        self.stream = _Stream(run) if config.stream else None
+        self.stream = Stream(run) if config.stream else None
         first = next(iter(items.values())) if items else self.stream.item(*self.stream.drawn(0)[0])
         engine = run.engine
         free = [not engine.is_fixed(layer, int(first.kv[layer][0].shape[2]), first.n_tokens) for layer in range(engine.n_layers)]
@@ -529,9 +383,21 @@ class _Trainer:
             self.wb.finish()
 
 
-def run_train(config: TrainConfig, overwrite: bool = False, progress: bool = True) -> Path:
+def run_train(
+    config: TrainConfig,
+    overwrite: bool = False,
+    progress: bool = True,
+    *,
+    calibration: CalibrationStore | None = None,
+    prefills=None,
+) -> Path:
     """Train gates on calibration samples into ``config.output``; resumes from the latest
     checkpoint of an interrupted run with the same config.
+
+    ``calibration``: a :class:`~learnroute.gates.calibration.CalibrationStore` shared with
+    other runs on the same samples (a study's variants, seeds), which then prefill them
+    once; ``prefills``: a :class:`~learnroute.engine.PrefillStore` shared with other stages.
+    Without them the run keeps what it made only while it runs.
 
     A two-stage recipe (``stages``, :func:`~learnroute.gates.config.stage_configs`) trains
     its per-layer first stage into ``<output>/first_stage`` and then the per-head second
@@ -539,9 +405,10 @@ def run_train(config: TrainConfig, overwrite: bool = False, progress: bool = Tru
     Every stage's folder is checked before the first starts; ``overwrite`` moves the whole
     run aside once (a second stage must not resume from another first stage's route).
     """
+    calibration = CalibrationStore() if calibration is None else calibration
     stages = stage_configs(config)
     if len(stages) == 1:
-        return _train_one(stages[0], overwrite, progress)
+        return _train_one(stages[0], overwrite, progress, calibration, prefills)
     conflicts = _stage_conflicts([config])
     if conflicts and not overwrite:
         raise ConfigError("; ".join(conflicts))
@@ -550,10 +417,9 @@ def run_train(config: TrainConfig, overwrite: bool = False, progress: bool = Tru
         if state.is_main_process:
             move_aside(Path(config.output))
         state.wait_for_everyone()
-    with shared_calibration():
-        for cfg in stages:
-            out = _train_one(cfg, False, progress)
-            process_state().wait_for_everyone()  # rank 0 writes route.json last: the next stage reads it
+    for cfg in stages:  # one calibration store: the second stage reuses the first's prefills
+        out = _train_one(cfg, False, progress, calibration, prefills)
+        process_state().wait_for_everyone()  # rank 0 writes route.json last: the next stage reads it
     return out
 
 
@@ -562,11 +428,12 @@ def _stage_conflicts(configs: list[TrainConfig]) -> list[str]:
     return [c for config in configs for stage in stage_configs(config) if (c := folder_conflict(stage))]
 
 
-def _train_one(config: TrainConfig, overwrite: bool, progress: bool) -> Path:
+def _train_one(config: TrainConfig, overwrite: bool, progress: bool, calibration: CalibrationStore,
+               prefills=None) -> Path:
     """One training run (one stage). Its steps: set-up, split, prefill, optimisation (resume,
     steps, validation, checkpoints), export and plots. With ``stream``, training samples
-    are drawn fresh as it goes (:class:`_Stream`)."""
-    run = _setup(config, overwrite, progress)
+    are drawn fresh as it goes (:class:`~learnroute.gates.calibration.Stream`)."""
+    run = _setup(config, overwrite, progress, calibration, prefills)
     if config.init_route is not None and config.init_method is not None:
         # the recipe's init_method (keydiff) is a default a user giving a route may not expect
         run.log.info("starting from the budgets of %s with %s in every layer (init_method; "
@@ -576,7 +443,7 @@ def _train_one(config: TrainConfig, overwrite: bool, progress: bool) -> Path:
     mine = [] if config.stream else train_idx[rank::world]  # a stream prefills its samples as it goes
     with frozen(run.model), contextlib.ExitStack() as stack:
         run.log.info("prefilling %d calibration samples (%d train, %d validation)", len(pairs), len(train_idx), len(val_idx))
-        items = _prefill(run, pairs, mine + (val_idx if run.main else []))
+        items = calibration_items(run, pairs, mine + (val_idx if run.main else []), run.calibration)
         trainer = _Trainer(run, items, train_idx, val_idx, mine, stack)
         trainer.fit()
         trainer.finish()
@@ -613,18 +480,18 @@ def run_train_seeds(
 ) -> list[Path]:
     """Train ``config`` once per optimisation seed into ``<output>_seed<k>``, one run after
     another in this process. Each run is the one ``train_seed=k output=<output>_seed<k>``
-    trains alone, but the runs share their calibration prefills (:func:`shared_calibration`,
-    as a study's variants do): the samples are prefilled once, not once per seed (at 4k
-    tokens on 2 CPU cores that is 12 minutes a seed). Every run folder is checked before
+    trains alone, but the runs share their calibration prefills (one
+    :class:`~learnroute.gates.calibration.CalibrationStore`, as a study's variants do): the
+    samples are prefilled once, not once per seed (at 4k tokens on 2 CPU cores that is 12
+    minutes a seed). Every run folder is checked before
     the first run starts, so a conflict in the last one does not wait for the others."""
     configs = seed_configs(config, seeds)
     if not overwrite and (conflicts := _stage_conflicts(configs)):
         raise ConfigError("; ".join(conflicts))
-    outs = []
-    with shared_calibration():
-        for cfg in configs:
-            outs.append(run_train(cfg, overwrite, progress))
-            process_state().wait_for_everyone()  # rank 0 writes route.json last
+    outs, calibration = [], CalibrationStore()
+    for cfg in configs:
+        outs.append(run_train(cfg, overwrite, progress, calibration=calibration))
+        process_state().wait_for_everyone()  # rank 0 writes route.json last
     return outs
 
 

@@ -35,25 +35,26 @@ def run_study(config: StudyConfig, overwrite: bool = False) -> Path:
     their samples across ranks; the exports and the analysis run on rank 0 while the others
     wait. Every rank decides what is left from the same files, after a barrier.
     """
-    from learnroute.engine import shared_prefills
+    from learnroute.engine import PrefillStore
     from learnroute.runs import prepare_folder, process_state
 
     state = process_state()
     # A study grows: variants and seeds added later train and bench; finished ones are kept.
     out = prepare_folder(config, overwrite, is_main=state.is_main_process, growable=GROWABLE)
     state.wait_for_everyone()
-    run = _Stages(config, out, state)
     # Every stage of this process shares its prefills (the same samples come back stage
     # after stage); results are those of separate prefills.
-    with shared_prefills(int(config.prefill_cache_gib * 2**30)) as prefills:
-        run.profile()
-        variants = config.variant_configs(out)  # resolves @profile tokens: after the profile
-        run.train(variants)
-        routes = run.export(variants)
-        for protocol in config.protocols:
-            run.bench(protocol, variants, routes)
-        if config.placements > 0:
-            run.placement(routes)
+    prefills = PrefillStore(int(config.prefill_cache_gib * 2**30))
+    run = _Stages(config, out, state, prefills)
+    run.profile()
+    variants = config.variant_configs(out)  # resolves @profile tokens: after the profile
+    run.train(variants)
+    routes = run.export(variants)
+    for protocol in config.protocols:
+        run.bench(protocol, variants, routes)
+    if config.placements > 0:
+        run.placement(routes)
+    prefills.clear()  # nothing of the stages is held through the analysis
     if prefills.made or prefills.hits:
         _say(f"rank {state.process_index}: {prefills.summary()}")
     if run.first:
@@ -69,6 +70,7 @@ class _Stages:
     config: StudyConfig
     out: Path
     state: Any  # accelerate's process state (rank, barriers)
+    prefills: Any = None  # learnroute.engine.PrefillStore: every stage's engines share it
 
     @property
     def first(self) -> bool:
@@ -101,22 +103,25 @@ class _Stages:
                     output=str(out / "profile"),
                 ),
                 progress=self.first,
+                prefills=self.prefills,
             )
         self.state.wait_for_everyone()
 
     def train(self, variants: dict[str, dict[str, Any]]) -> None:
         """2. Every variant's gates, on the same calibration samples (skipped once route.json exists)."""
-        from learnroute.gates.train import run_train, shared_calibration
+        from learnroute.gates.calibration import CalibrationStore
+        from learnroute.gates.train import run_train
 
         # The variants share one calibration set: prefilled once for all of them, and
         # released when the stage ends (the bench and placement stages need none of it).
-        with shared_calibration():
-            for name, data in variants.items():
-                tcfg = from_dict(TrainConfig, data)
-                if not (Path(tcfg.output) / "route.json").is_file():
-                    self.log(f"stage 2/5: train variant {name!r}")
-                    run_train(tcfg)
-                    self.state.wait_for_everyone()  # rank 0 writes route.json last
+        calibration = CalibrationStore()
+        for name, data in variants.items():
+            tcfg = from_dict(TrainConfig, data)
+            if not (Path(tcfg.output) / "route.json").is_file():
+                self.log(f"stage 2/5: train variant {name!r}")
+                run_train(tcfg, calibration=calibration, prefills=self.prefills)
+                self.state.wait_for_everyone()  # rank 0 writes route.json last
+        calibration.clear()
 
     def export(self, variants: dict[str, dict[str, Any]]) -> Path:
         """3. Every variant's route (and mixture route) into ``routes/``: cheap, always
@@ -185,7 +190,8 @@ class _Stages:
         from learnroute.bench import run_bench
 
         self.log(f"stage 4/5: bench ({protocol}) on eval samples")
-        run_bench(self.bench_config(protocol, self.bench_routes(protocol, variants, routes), f"bench_{protocol}"))
+        run_bench(self.bench_config(protocol, self.bench_routes(protocol, variants, routes), f"bench_{protocol}"),
+                  prefills=self.prefills)
         self.controls(protocol)
 
     def bench_config(self, protocol: str, routes: list[str], folder: str):
@@ -239,7 +245,7 @@ class _Stages:
         if not todo:
             return
         self.log(f"stage 4/5: bench ({protocol}) of the control {', '.join(todo)}")
-        run_bench(self.bench_config(protocol, todo, f"bench_{protocol}{CONTROLS}"))
+        run_bench(self.bench_config(protocol, todo, f"bench_{protocol}{CONTROLS}"), prefills=self.prefills)
 
     def placement(self, routes: Path) -> None:
         """5. The chosen variant's route (query-agnostic, at one budget) among random
@@ -272,7 +278,8 @@ class _Stages:
                 device=config.device,
                 dtype=config.dtype,
                 output=str(out / "placement"),
-            )
+            ),
+            prefills=self.prefills,
         )
 
 
