@@ -335,7 +335,424 @@ def test_a_second_run_on_the_same_samples_reuses_their_prefills(tiny_dir, tmp_pa
     (tmp_path / "d").mkdir()
     assert train(write_config(tmp_path / "d", tiny_dir, steps=3, save_every=3, lr=0.05)) == 0
     d, _ = T.load_gates(tmp_path / "d" / "run" / "gates.safetensors")
-    assert torch.equal(b["theta"], d["theta"]) and torch.equal(b["beta"], d["beta"])  # reused = prefilled anew
+    assert torch.equal(b["theta"], d["theta"]) and torch.equal(b["beta"], d["beta"])  # reused = fresh prefills
+
+
+def test_seeds_train_what_separate_runs_train_and_prefill_once(tiny_dir, tmp_path, monkeypatch, capsys):
+    """`learnroute train --seeds 0,2`: the runs of `train_seed=0` and `train_seed=2` trained
+    alone, into <output>_seed<k>, with the calibration samples prefilled once for both."""
+    made = []
+    real = Engine.prefill
+    monkeypatch.setattr(Engine, "prefill", lambda *a, **k: made.append(1) or real(*a, **k))
+    (tmp_path / "both").mkdir()
+    assert train(write_config(tmp_path / "both", tiny_dir, steps=3, save_every=3), "--seeds", "0,2") == 0
+    per_run = len(made)
+    assert per_run > 0
+    for k in (0, 2):
+        (tmp_path / f"alone{k}").mkdir()
+        assert train(write_config(tmp_path / f"alone{k}", tiny_dir, steps=3, save_every=3, train_seed=k)) == 0
+    assert len(made) == 3 * per_run  # each alone prefills what the two seeds prefilled together
+    gates = {}
+    for k in (0, 2):
+        out = tmp_path / "both" / f"run_seed{k}"
+        assert yaml.safe_load((out / "config.yaml").read_text())["train_seed"] == k
+        gates[k], _ = T.load_gates(out / "gates.safetensors")
+        alone, _ = T.load_gates(tmp_path / f"alone{k}" / "run" / "gates.safetensors")
+        assert torch.equal(gates[k]["theta"], alone["theta"]) and torch.equal(gates[k]["beta"], alone["beta"])
+        alone_route = Route.from_file(tmp_path / f"alone{k}" / "run" / "route.json")
+        assert Route.from_file(out / "route.json").layers == alone_route.layers
+    assert not torch.equal(gates[0]["beta"], gates[2]["beta"])  # the seed reached the optimisation
+    assert "run_seed0" in capsys.readouterr().err
+
+    # bad seeds, or a later seed's folder that holds another run: one error, before any training
+    made.clear()
+    for extra, match in (((), "train_seed=1 and --seeds"), (("train_seed=null",), "more than once")):
+        cfg = write_config(tmp_path / "both", tiny_dir, steps=3, save_every=3, train_seed=1)
+        with pytest.raises(SystemExit) as e:
+            train(cfg, "--seeds", "3,3", *extra)
+        assert e.value.code == 2 and match in capsys.readouterr().err
+    cfg = write_config(tmp_path / "both", tiny_dir, steps=3, save_every=3)
+    with pytest.raises(SystemExit):
+        train(cfg, "--seeds", "5,2", "lr=0.5")
+    err = capsys.readouterr().err
+    assert "run_seed2 holds a run with a different config (differs in: lr" in err
+    assert made == [] and not (tmp_path / "both" / "run_seed5").exists()
+    with pytest.raises(SystemExit):
+        train(cfg, "--seeds", "0 1")
+    assert "e.g. --seeds 0,1,2; got '0 1'" in capsys.readouterr().err
+
+
+def test_seeds_chain_a_first_stage_seed_by_seed(tiny_dir, tmp_path, monkeypatch, capsys):
+    """`init_route=<first>_seed{seed}/route.json --seeds 0,2`: each seed starts from its own
+    first-stage route and trains what a lone run given that file trains; a seed whose route
+    is missing is named in one error, before any prefill."""
+    first = tmp_path / "first"
+    first.mkdir()
+    stage1 = write_config(first, tiny_dir, steps=2, save_every=2, learn="budgets", init_method="tova",
+                          select="last", lr=0.5)  # select the last step, so that the seeds' routes differ
+    assert train(stage1, "--seeds", "0,2") == 0
+    routes = {k: first / f"run_seed{k}" / "route.json" for k in (0, 2)}
+    assert Route.from_file(routes[0]).layers != Route.from_file(routes[2]).layers  # the two starts differ
+    second = tmp_path / "second"
+    second.mkdir()
+    template = str(first / "run_seed{seed}" / "route.json")
+    over = dict(steps=2, save_every=2, learn="budgets", init_method="tova", init_route=template)
+    assert train(write_config(second, tiny_dir, **over), "--seeds", "0,2") == 0
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    assert train(write_config(alone, tiny_dir, **{**over, "init_route": str(routes[2]), "train_seed": 2})) == 0
+    out = second / "run_seed2"
+    assert yaml.safe_load((out / "config.yaml").read_text())["init_route"] == str(routes[2])
+    chained, _ = T.load_gates(out / "gates.safetensors")
+    reference, _ = T.load_gates(alone / "run" / "gates.safetensors")
+    assert torch.equal(chained["beta"], reference["beta"])
+    assert Route.from_file(out / "route.json").layers == Route.from_file(alone / "run" / "route.json").layers
+
+    made = []
+    real = Engine.prefill
+    monkeypatch.setattr(Engine, "prefill", lambda *a, **k: made.append(1) or real(*a, **k))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        train(write_config(second, tiny_dir, **over), "--seeds", "0,7", "output=" + str(second / "other"))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "seed 7: init_route" in err and "run_seed7" in err and "seed 0" not in err
+    assert made == [] and not (second / "other_seed0").exists()
+
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tiny_dir, tmp_path, monkeypatch):
+    cfg = write_config(tmp_path, tiny_dir)
+    real = T.answer_loss
+    calls = {"n": 0}
+
+    def goes_nan(*a, **k):
+        loss, ce = real(*a, **k)
+        calls["n"] += 1
+        return (loss * float("nan"), ce) if calls["n"] > 3 * 2 else (loss, ce)
+
+    monkeypatch.setattr(T, "answer_loss", goes_nan)
+    with pytest.raises(T.TrainingError, match=r"NaN/inf at step 3 .*step_000002.safetensors"):
+        T.run_train(load_config(T.TrainConfig, cfg), progress=False)
+    ckpt, _ = T.load_gates(tmp_path / "run" / "checkpoints" / "step_000002.safetensors")
+    assert bool(torch.isfinite(ckpt["theta"]).all())
+    assert not (tmp_path / "run" / "checkpoints" / "step_000004.safetensors").exists()
+
+
+def test_two_processes_train_like_one(tiny_dir, tmp_path):
+    """accelerate data parallelism: 2 CPU processes split each step's batch and average
+    gradients, ending where one process does (up to float summation order)."""
+    cfg = write_config(tmp_path, tiny_dir, val_fraction=0.0, steps=4)
+    assert train(cfg) == 0
+    one, _ = T.load_gates(tmp_path / "run" / "gates.safetensors")
+    torchrun = Path(sys.executable).parent / "torchrun"
+    proc = subprocess.run(
+        [str(torchrun), "--nproc_per_node", "2", str(Path(__file__).parents[1] / "train" / "gates.py"),
+         "--config", str(cfg), f"output={tmp_path / 'two'}"],
+        capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    two, _ = T.load_gates(tmp_path / "two" / "gates.safetensors")
+    torch.testing.assert_close(two["theta"], one["theta"], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(two["beta"], one["beta"], rtol=1e-4, atol=1e-5)
+    assert not torch.equal(one["theta"], torch.zeros_like(one["theta"]))  # it did train
+
+
+def test_seeds_under_torchrun_shard_each_run_across_the_ranks(tiny_dir, tmp_path):
+    """`torchrun --nproc_per_node 2 ... train --seeds 0,1`: each seed's run is one run over
+    two ranks (each history row written once, by rank 0), ending where one process does."""
+    cfg = write_config(tmp_path, tiny_dir, val_fraction=0.0, steps=3, save_every=3)
+    assert train(cfg, "--seeds", "0,1") == 0
+    torchrun = Path(sys.executable).parent / "torchrun"
+    proc = subprocess.run(
+        [str(torchrun), "--nproc_per_node", "2", str(Path(__file__).parents[1] / "train" / "gates.py"),
+         "--config", str(cfg), "--seeds", "0,1", f"output={tmp_path / 'two'}"],
+        capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for k in (0, 1):
+        steps = [r["step"] for r in read_jsonl(tmp_path / f"two_seed{k}" / "history.jsonl") if "loss" in r]
+        assert steps == [1, 2, 3]
+        one, _ = T.load_gates(tmp_path / f"run_seed{k}" / "gates.safetensors")
+        two, _ = T.load_gates(tmp_path / f"two_seed{k}" / "gates.safetensors")
+        torch.testing.assert_close(two["beta"], one["beta"], rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------- export
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("trained")
+    cfg = write_config(tmp, tiny_dir, steps=8, lr=0.2, select="last")
+    assert train(cfg) == 0
+    return tmp / "run"
+
+
+def test_export_hardened_and_mixture_routes(trained, tiny, tokenizer, tmp_path):
+    hard = export_cli(trained, tmp_path / "hard.json", budget="50")
+    assert sum(hard.budgets) == 4 * 50 and all(isinstance(b, int) for b in hard.budgets)
+    prov = hard.provenance
+    assert prov["source"] == "learned" and prov["calibration_tasks"] == {"niah_single_1": 4}
+    assert len(prov["pi"]) == 4 and len(prov["budget_shares"]) == 4 and "train_config" in prov
+    frac = export_cli(trained, tmp_path / "frac.json")
+    assert frac.budgets[0] <= 1.0 and sum(frac.budgets) == pytest.approx(4 * 0.25, rel=1e-4)
+    # A mixture at a vanishing temperature is one-hot: same tokens, same answers as hardened.
+    mix = export_cli(trained, tmp_path / "mix.json", budget="50", mixture=True, temperature=1e-4)
+    assert mix.is_mixture and Route.from_file(tmp_path / "mix.json").is_mixture
+    engine = Engine(tiny, tokenizer, max_new_tokens=8)
+    s = make_samples("niah_single_2", tokenizer, 1, 200, "eval")[0]
+    a, b = engine.run(s.context, s.question, [hard, mix], s.answer_prefix, keep_logits=True)
+    assert a.token_ids == b.token_ids and a.kept_per_layer == b.kept_per_layer
+    torch.testing.assert_close(a.first_logits, b.first_logits)
+    # A soft mixture is a different route (it mixes the ranks of several methods).
+    soft = export_cli(trained, tmp_path / "soft.json", budget="50", mixture=True, temperature=100.0)
+    assert all(len(e.mixture) == 4 for e in soft.layers)
+    # Read off the checkpoint file itself (safetensors, not learnroute's loader): each layer's
+    # method is its argmax over theta, and its budget follows beta's order across layers.
+    from safetensors.torch import load_file
+
+    raw = load_file(str(trained / "gates.safetensors"))
+    methods = yaml.safe_load((trained / "config.yaml").read_text())["methods"]
+    assert [e.method for e in hard.layers] == [methods[int(i)] for i in raw["theta"].reshape(4, -1).argmax(-1)]
+    beta = raw["beta"].reshape(4).tolist()
+    for i in range(4):
+        for j in range(4):
+            if beta[i] > beta[j] + 1e-3:
+                assert hard.budgets[i] >= hard.budgets[j], (i, j, beta, hard.budgets)
+    # The exported routes load in bench and RoutedPress.
+    assert main(["export", str(trained), "--out", str(tmp_path / "cli.json"), "--budget", "0.5"]) == 0
+    lr.RoutedPress(Route.from_file(tmp_path / "cli.json"))
+
+
+def test_exported_route_runs_in_bench(trained, tiny_dir, tmp_path):
+    from learnroute.bench import BenchConfig, run_bench
+
+    export_cli(trained, tmp_path / "r.json", budget="40")
+    cfg = load_config(
+        BenchConfig,
+        overrides=[f"model={tiny_dir}", "tasks={niah_single_1: 1}", "context_tokens=200", "budgets=[30]",
+                   f"routes=[{tmp_path / 'r.json'}]", "max_new_tokens=3", f"output={tmp_path / 'bench'}"],
+    )
+    run_bench(cfg)
+    rows = read_jsonl(tmp_path / "bench" / "results.jsonl")
+    assert len(rows) == 1 and rows[0]["kv_bytes"] > 0
+
+
+def test_export_start_writes_the_untrained_route_a_warm_run_began_from(tiny_dir, tiny, tokenizer, tmp_path):
+    """`export --start`: the control a learned route is benched beside. From uniform budgets
+    over tova it is homogeneous tova, at the first training budget or the one asked for."""
+    cfg = write_config(tmp_path, tiny_dir, steps=2, learn="budgets", init_method="tova", lr=0.5, eval_every=2)
+    assert train(cfg) == 0
+    assert main(["export", str(tmp_path / "run"), "--start", "--out", str(tmp_path / "start.json")]) == 0
+    assert main(["export", str(tmp_path / "run"), "--start", "--budget", "40", "--out", str(tmp_path / "s40.json")]) == 0
+    start, s40 = Route.from_file(tmp_path / "start.json"), Route.from_file(tmp_path / "s40.json")
+    assert start.provenance["source"] == "start" and s40.budgets == [40] * 4
+    engine = Engine(tiny, tokenizer, max_new_tokens=6)
+    s = make_samples("niah_single_2", tokenizer, 1, 200, "eval")[0]
+    routes = [start, Route.homogeneous("tova", 4, 0.25), s40, Route.homogeneous("tova", 4, 40)]
+    a, b, c, d = engine.run(s.context, s.question, routes, s.answer_prefix, keep_logits=True)
+    for ours, ref in ((a, b), (c, d)):  # the same kept tokens: the same logits, bit for bit
+        assert (ours.token_ids, ours.kept_per_layer) == (ref.token_ids, ref.kept_per_layer)
+        assert torch.equal(ours.first_logits, ref.first_logits)
+    with pytest.raises(SystemExit) as exit_:
+        main(["export", str(tmp_path / "run"), "--start", "--mixture", "--out", str(tmp_path / "x.json")])
+    assert exit_.value.code == 2 and not (tmp_path / "x.json").exists()
+
+
+def test_export_refuses_a_checkpoint_of_another_model_or_method_set(trained, tmp_path):
+    with pytest.raises(RouteError, match="trained on model 'tiny-llama\d*', not 'SmolLM2-135M-Instruct'"):
+        export_cli(trained, tmp_path / "x.json", model="SmolLM2-135M-Instruct")
+    # a run folder whose config names other methods than its checkpoint
+    other = tmp_path / "other"
+    other.mkdir()
+    cfg = yaml.safe_load((trained / "config.yaml").read_text())
+    cfg["methods"] = ["snapkv", "tova", "knorm", "h2o"]
+    (other / "config.yaml").write_text(yaml.safe_dump(cfg))
+    (other / "gates.safetensors").write_bytes((trained / "gates.safetensors").read_bytes())
+    with pytest.raises(RouteError, match="checkpoint gates methods"):
+        export_cli(other, tmp_path / "x.json")
+    # and a checkpoint with another layer count is refused for the model
+    with pytest.raises(RouteError, match="checkpoint has 4 layers, the model has 30"):
+        T.load_gates(trained / "gates.safetensors", n_layers=30)
+    with pytest.raises(FileNotFoundError, match="neither a train run folder nor a gates checkpoint"):
+        export_cli(tmp_path / "missing", tmp_path / "x.json")
+    with pytest.raises(SystemExit) as exit_:
+        main(["export", str(trained), "--out", str(tmp_path / "x.json"), "--budget", "0"])
+    assert exit_.value.code == 2 and not (tmp_path / "x.json").exists()
+
+
+def test_bad_train_config_is_one_error_before_any_model_loads(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        load_config(
+            T.TrainConfig,
+            overrides=["methods=[snapkv, nosuch, critical_snapkv, full]", "budgets=[]", "steps=0",
+                       "mixing=blend", "relaxation=magic", "learn=budgets", "init_method=null"],
+        )
+    msg = str(e.value)
+    for part in ("'nosuch' cannot be a gate candidate (unknown)", "'critical_snapkv' cannot be a gate candidate",
+                 "'full' cannot", "budgets is empty", "steps must be >= 1", "mixing must be one of score, mask",
+                 "relaxation must be one of", "learn=budgets keeps the methods fixed"):
+        assert part in msg, part
+    with pytest.raises(ConfigError, match="not below context_tokens"):
+        load_config(T.TrainConfig, overrides=["budgets=[4096]", "context_tokens=1024"])
+    with pytest.raises(ConfigError, match="config file .* does not exist"):
+        load_config(T.TrainConfig, tmp_path / "nope.yaml")
+
+
+def test_mixture_route_in_kvpress_pipeline_equals_the_engine(tiny, tokenizer, sample):
+    """A soft mixture route (several methods per layer) keeps the same tokens in RoutedPress
+    as in the engine; and it is not just its argmax method (the mixture changes the answer's
+    logits)."""
+    from transformers import pipeline
+
+    mixes = [{"snapkv": 0.5, "knorm": 0.5}, {"tova": 0.2, "keydiff": 0.8}, {"knorm": 1.0}, {"h2o": 0.6, "tova": 0.4}]
+    methods = [max(m, key=m.get) for m in mixes]
+    route = Route.from_layers(methods, [40, 0.3, 60, 0.5], mixtures=mixes)
+    engine = Engine(tiny, tokenizer, max_new_tokens=6)
+    res, hard = engine.run(sample.context, sample.question, [route, route.hardened()], sample.answer_prefix,
+                           keep_logits=True)
+    assert not torch.allclose(res.first_logits, hard.first_logits)
+    pipe = pipeline("kv-press-text-generation", model=tiny, tokenizer=tokenizer, device="cpu")
+    with lr.routed_attention(tiny):
+        got = pipe(sample.context, question=sample.question, answer_prefix=sample.answer_prefix,
+                   press=lr.RoutedPress(route), max_new_tokens=6)["answer"]
+    assert got == res.answer
+
+
+def test_budget_scaled_temperature_is_as_sharp_at_small_budgets():
+    """topk_scale=budget: a layer keeping 5 of 1000 tokens keeps them almost fully (the
+    rank-unit temperature smears them over dozens of tokens), and the sums stay exact."""
+    gates = Gates(["tova", "knorm"], [True, True], budget_floor=0.0)
+    with torch.no_grad():
+        gates.beta.copy_(torch.tensor([0.0, 3.0]))  # layer 0 keeps ~5 tokens, layer 1 the rest
+    ranks = torch.stack([torch.randperm(1000).float() / 999 for _ in range(2 * 2 * 3)]).view(2, 2, 3, 1000)
+    k = gates.budgets(50.0, 1000).detach()
+    assert 3 < float(k[0]) < 10
+    top = ranks[0].mean(0).topk(int(k[0]), dim=-1).indices  # (H, k0): what the hard route keeps
+    kept = {}
+    for scale, tau in (("rank", 0.02), ("budget", 0.05)):
+        m = gates.soft_masks(ranks, 50.0, temperature=1.0, tau=tau, tau_scale=scale).detach()
+        torch.testing.assert_close(m.sum(-1), k[:, None].expand(2, 3), rtol=1e-4, atol=1e-4)
+        kept[scale] = float(m[0].gather(-1, top).mean())
+    # rank units smear the few kept tokens; budget units keep them almost whole
+    assert kept["budget"] > 0.9 and kept["rank"] < kept["budget"] - 0.2, kept
+
+
+# ---------------------------------------------------------------------------- validated = benched
+
+
+def _kept_sets(masks: torch.Tensor) -> list[list[set[int]]]:
+    """Per (layer, head) the kept positions of 0/1 masks (L, H, n)."""
+    return [[set(torch.nonzero(masks[layer, h]).flatten().tolist()) for h in range(masks.shape[1])]
+            for layer in range(masks.shape[0])]
+
+
+@pytest.mark.parametrize("learn, granularity", [("budgets", "layer"), ("both", "layer"), ("both", "head")])
+def test_validation_keeps_the_tokens_the_engine_keeps_for_the_exported_route(tiny_dir, tmp_path, learn, granularity):
+    """The route validation scores is the route users run: for a trained run, the kept
+    positions per (layer, KV head) that validation uses equal those the Engine keeps for
+    the exported route.json, rescaled by bench, at a fractional budget (0.2), a token
+    budget (50) and a budget where layers hit the whole context (0.6). Per-head gates
+    export a per-head route whose heads the engine keeps one by one."""
+    from learnroute.bench import BenchConfig, resolve_routes
+    from learnroute.gates.export import chosen_checkpoint, gates_from_checkpoint
+    from learnroute.models import load_model
+    from learnroute.profile import teacher_forcing
+    from learnroute.tasks.suite import load_tasks
+
+    shape = tmp_path / "shape.json"
+    Route.from_layers(["tova"] * 4, [0.05, 0.05, 0.4, 0.3]).to_file(shape)  # mean 0.2; layer 2 at 2x the mean
+    budgets = [0.2, 50, 0.6]
+    cfg = write_config(tmp_path, tiny_dir, budgets=budgets, steps=3, eval_every=1, learn=learn, init_route=str(shape),
+                       init_method="tova" if learn == "budgets" else None, lr=0.2, granularity=granularity,
+                       select="last" if granularity == "head" else "best_val")  # head: trained, so heads differ
+    assert train(cfg) == 0
+    run = tmp_path / "run"
+    config = load_config(T.TrainConfig, run / "config.yaml")
+    assert export_cli(run, tmp_path / "exported.json") == Route.from_file(run / "route.json")
+
+    model, tok = load_model(str(tiny_dir))
+    engine = Engine(model, tok)
+    gates, _ = gates_from_checkpoint(chosen_checkpoint(run, config.select), config, None, 4)
+    validated = T.validation_routes(gates, config)
+    benched = {c.budget: c.route for c in resolve_routes(
+        BenchConfig(routes=[str(run / "route.json")], budgets=budgets), 4, None)}
+    assert max(benched[0.6].budgets) == 1.0  # the capped case is exercised
+    assert all(isinstance(b, int) for b in benched[50].budgets)
+    (task, sample), = load_tasks({"niah_single_1": 1}, tok, config.context_tokens, "calibration", 7)
+    item = C.prepare_item(engine, task, sample, config.methods, False)
+    prefill = engine.prefill(teacher_forcing(engine, sample).prompt)
+    n = prefill.n_tokens
+    assert benched[0.2].is_per_head == (granularity == "head")
+    if granularity == "head":  # the heads learned budgets of their own
+        assert any(len({h.budget for h in e.heads}) > 1 for e in benched[0.2].layers)
+    for b in budgets:
+        ours = _kept_sets(gates.hard_masks(item.ranks, validated[b]))
+        route = benched[b]
+        counts = engine.kept_head_counts(route, n, prefill.layer_tokens)
+        for layer, e in enumerate(route.layers):
+            kept = [set(engine.kept_indices(prefill, layer, x.method, k, x.mixture)[0, h].tolist())
+                    for h, (x, k) in enumerate(zip(e.head_entries(2), counts[layer]))]  # each head's own
+            assert kept == ours[layer], (b, layer)
+
+
+def _one_sample(tok, n_tokens=200):
+    from learnroute.tasks.suite import load_tasks
+
+    (_, sample), = load_tasks({"niah_single_1": 1}, tok, n_tokens, "calibration", 3)
+    return sample
+
+
+def test_fixed_route_masks_keep_what_the_engine_keeps(tiny_dir):
+    """learn: none trains against its route's hard masks: the same token counts (the
+    engine floors a fraction of the context; rounding kept one more token before) and the
+    same positions as the Engine."""
+    from learnroute.gates.cotrain import FixedGates
+    from learnroute.models import load_model
+
+    model, tok = load_model(str(tiny_dir))
+    engine = Engine(model, tok)
+    methods = ["snapkv", "tova", "knorm", "streaming_llm"]
+    route = Route.from_layers(["snapkv", "tova", "knorm", "streaming_llm"], [0.1, 0.3, 0.2, 0.2],
+                              mixtures=[None, {"tova": 0.5, "knorm": 0.5}, None, None])
+    fixed = FixedGates(methods, [True] * 4, route)
+    sample = _one_sample(tok)
+    item = C.prepare_item(engine, "niah", sample, methods, False)
+    n = item.n_tokens
+    for b in (0.2, 0.237, 33):
+        r = fixed.harden(b, n)
+        prefill = engine.prefill(engine.encode(sample.context, sample.question, sample.answer_prefix))
+        counts = engine.kept_counts(r, n)
+        ours = _kept_sets(fixed.hard_masks(item.ranks, r))
+        for layer, e in enumerate(r.layers):
+            idx = engine.kept_indices(prefill, layer, e.method, counts[layer], e.mixture)[0]
+            assert [set(row.tolist()) for row in idx] == ours[layer], (b, layer)
+
+
+def test_export_follows_select_last(tiny_dir, tmp_path):
+    """select: last exports the final gates, as the run's own route.json does, even when a
+    best.safetensors exists (it used to be preferred silently)."""
+    assert train(write_config(tmp_path, tiny_dir, steps=4, eval_every=1, select="last", lr=0.3)) == 0
+    run = tmp_path / "run"
+    assert (run / "best.safetensors").is_file()
+    exported = export_cli(run, tmp_path / "out.json")
+    assert exported.provenance["checkpoint"].endswith("gates.safetensors")
+    assert exported == Route.from_file(run / "route.json")
+
+
+def test_first_token_weight_zero_with_a_one_token_answer_is_finite(tiny_dir):
+    from learnroute.models import load_model
+
+    model, tok = load_model(str(tiny_dir))
+    engine = Engine(model, tok)
+    item = C.prepare_item(engine, "niah", _one_sample(tok), ["tova", "knorm"], False)
+    one = C.CalibItem(item.sample_id, item.task, item.kv, item.ranks, item.ids[:, : item.keep.start + 2],
+                      item.positions[:, : item.keep.start + 2], slice(item.keep.start, item.keep.start + 1),
+                      item.target[:1], None)
+    gates = Gates(["tova", "knorm"], [True] * 4)
+    masks = gates.soft_masks(one.ranks, 0.3 * one.n_tokens, temperature=1.0, tau=0.05)
+    loss, ce = T.answer_loss(model, one, masks, eps=1e-6, first_token_weight=0.0)
+    loss.backward()
+    assert float(loss.detach()) == 0.0 and torch.isfinite(gates.beta.grad).all()
 
 
 def test_calibration_prefills_are_released_after_a_run(tiny_dir, tmp_path, monkeypatch):

@@ -71,36 +71,88 @@ def study_config(tmp_path, tiny_dir):
     return path
 
 
-def test_study_end_to_end_then_nothing_to_redo(tiny_dir, tmp_path, monkeypatch, capsys):
+@pytest.fixture(scope="module")
+def study(tiny_dir, tmp_path_factory):
+    """The study of :func:`study_config` run once on the tiny model; the tests below read it."""
+    import contextlib
+    import io
+    from types import SimpleNamespace
+
+    tmp_path = tmp_path_factory.mktemp("study")
     path = study_config(tmp_path, tiny_dir)
-    assert main(["study", "--config", str(path)]) == 0
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert main(["study", "--config", str(path)]) == 0
     out = tmp_path / "study"
-    err = capsys.readouterr().err
-    assert "| protocol | budget | Q1" in err
+    return SimpleNamespace(
+        tmp=tmp_path, path=path, out=out, err=err.getvalue(), result=json.loads((out / "study.json").read_text()),
+        raw=read_jsonl(out / "bench_agnostic" / "results.jsonl"),
+        controls=read_jsonl(out / "bench_agnostic_controls" / "results.jsonl"),
+    )
+
+
+def own_scores(raw: list[dict], stem: str, budget) -> dict[str, float]:
+    """sample -> score of the route file ``<stem>.json`` (or the spec ``stem``) at ``budget``."""
+    return {r["sample_id"]: r["score"] for r in raw
+            if (r["route"] == stem or r["route"].endswith(f"/{stem}.json")) and r["budget"] == budget}
+
+
+def test_study_stages_share_their_prefills_and_answer_as_separate_runs(study, tmp_path):
+    assert "| protocol | budget | Q1" in study.err
     # The stages share their prefills: 4 calibration + 4 eval samples x 2 protocols are
     # prefilled once each, then served again (training, controls, placement).
-    reused, made = map(int, re.search(r"prefills reused (\d+), made (\d+) \(0 not kept", err).groups())
+    reused, made = map(int, re.search(r"prefills reused (\d+), made (\d+) \(0 not kept", study.err).groups())
     assert made == 12 and reused >= made
-    # The controls, whose samples all came from the block, answer as a bench of their own does.
-    controls = load_config(BenchConfig, out / "bench_agnostic_controls" / "config.yaml",
+    # The controls, whose samples all came from the store, answer as a bench of their own does.
+    controls = load_config(BenchConfig, study.out / "bench_agnostic_controls" / "config.yaml",
                            [f"output={tmp_path / 'controls_alone'}"])
     run_bench(controls)
     alone = {(r["sample_id"], r["route"], json.dumps(r["budget"])): r["prediction"]
              for r in read_jsonl(tmp_path / "controls_alone" / "results.jsonl")}
-    shared = {(r["sample_id"], r["route"], json.dumps(r["budget"])): r["prediction"]
-              for r in read_jsonl(out / "bench_agnostic_controls" / "results.jsonl")}
+    shared = {(r["sample_id"], r["route"], json.dumps(r["budget"])): r["prediction"] for r in study.controls}
     assert alone == shared and len(alone) >= 8
     for sub in ("profile/profile.json", "train/learned/route.json", "train/budgets_only/route.json",
                 "train/warm/route.json", "routes/learned.json", "routes/learned_mixture.json",
                 "bench_agnostic/summary.md", "bench_aware/summary.md", "study.json", "study.md"):
-        assert (out / sub).is_file(), sub
-    result = json.loads((out / "study.json").read_text())
+        assert (study.out / sub).is_file(), sub
+
+
+def test_study_routes_are_described_by_the_manifest(study):
+    """routes/manifest.json says what each route is; every route file it names exists, and
+    every route file the export wrote is in it."""
+    manifest = json.loads((study.out / "routes" / "manifest.json").read_text())
+    entries = {e["name"]: e for e in manifest["routes"]}
+    on_disk = {p.stem for p in (study.out / "routes").glob("*.json")} - {"manifest"}
+    assert on_disk == set(entries)
+    assert entries["learned"] == {"name": "learned", "kind": "learned", "variant": "learned"}  # cold: no start
+    assert entries["learned_seed1"] == {"name": "learned_seed1", "kind": "seed", "variant": "learned", "seed": 1}
+    assert entries["learned_warm"]["start"] == "learned_warm_start"
+    assert entries["learned_warm_start"] == {"name": "learned_warm_start", "kind": "start", "variant": "warm",
+                                             "start_of": "learned_warm"}
+    assert entries["learned_at_40"] == {"name": "learned_at_40", "kind": "per_budget", "variant": "learned",
+                                        "budget": 40}
+    assert entries["learned_per_head"]["per_head"] is True and entries["learned_mixture"]["kind"] == "mixture"
+    assert entries["imported_mixed"] == {"name": "imported_mixed", "kind": "imported"}
+    # the adapter variant's start (the profile's best method, uniform budgets, no adapter) is
+    # the budgets-only variant's: benched once, answering both variants' vs_start
+    assert entries["learned_homog_adapter_start"]["benched_as"] == "learned_budgets_only_start"
+    assert not any("benched_as" in e for n, e in entries.items() if n != "learned_homog_adapter_start")
+    # a folder made before the manifest: the one its config implies is the one written
+    config = load_config(C.StudyConfig, study.out / "config.yaml")
+    from learnroute.study.manifest import build_manifest
+
+    built = build_manifest(config, {"learned_homog_adapter_start": "learned_budgets_only_start"})
+    assert [e.to_dict() for e in built] == manifest["routes"]
+
+
+def test_study_compares_every_variant_with_the_main_route(study):
+    result = study.result
     for protocol, want in (("agnostic", [0.25, 40]), ("aware", [0.25, 0.5])):
         budgets = result["protocols"][protocol]["budgets"]
         assert [b["budget"] for b in budgets] == want
         for b in budgets:
-            assert b["q1_vs_best_homogeneous"]["n"] == 4  # paired over the 4 eval samples
-            assert set(b["q6_variants"]) == {
+            assert b["vs_best_homogeneous"]["n"] == 4  # paired over the 4 eval samples
+            assert set(b["variants_vs_main"]) == {
                 "learned_budgets_only", "learned_warm", "learned_mixture", "learned_homog_adapter",
                 "learned_per_head",  # granularity: head, a per-head route
                 "learned_split",  # per-head splits of budgets_only's layer totals
@@ -108,12 +160,23 @@ def test_study_end_to_end_then_nothing_to_redo(tiny_dir, tmp_path, monkeypatch, 
                 "imported_mixed",  # imported_routes
             }
     # per task: the learned route's mean over that task's samples, from the raw rows
-    raw = [json.loads(line) for line in (out / "bench_agnostic" / "results.jsonl").read_text().splitlines()]
-    own = [r["score"] for r in raw if r["route"].endswith("/learned.json") and r["budget"] == 0.25
+    own = [r["score"] for r in study.raw if r["route"].endswith("/learned.json") and r["budget"] == 0.25
            and r["task"] == "niah_single_2"]
     by_task = result["protocols"]["agnostic"]["budgets"][0]["by_task"]["learned"]
     assert len(own) == 2 and by_task["niah_single_2"] == pytest.approx(sum(own) / 2)
-    assert "| niah_single_1 (" in (out / "study.md").read_text()
+    assert "| niah_single_1 (" in (study.out / "study.md").read_text()
+    for b in result["protocols"]["agnostic"]["budgets"]:
+        # the imported route: copied into routes/, benched at every budget, minus the main route
+        mine, main_own = own_scores(study.raw, "imported_mixed", b["budget"]), own_scores(study.raw, "learned", b["budget"])
+        assert len(mine) == 4 and b["variants_vs_main"]["imported_mixed"]["diff"] == pytest.approx(
+            sum(mine[k] - main_own[k] for k in mine) / 4)
+    copied = Route.from_file(study.out / "routes" / "imported_mixed.json")
+    assert [x.method for x in copied.layers] == ["tova", "snapkv", "knorm", "tova"]
+    assert copied.provenance["source"] == "elsewhere"
+
+
+def test_study_placement_ranks_the_chosen_variant(study):
+    out, result = study.out, study.result
     # placement_variant: the first of warm, learned whose route has two or more methods. The
     # warm variant starts from the profile's per-layer best methods, which differ by layer on
     # this model: placement runs (a study whose routes all use one method skips it).
@@ -122,7 +185,7 @@ def test_study_end_to_end_then_nothing_to_redo(tiny_dir, tmp_path, monkeypatch, 
     chosen = next((v for v, m in methods.items() if len(m) > 1), None)
     assert chosen is not None, methods
     assert (out / "placement" / "placement.json").is_file() and (out / "placement" / "placement.md").is_file()
-    q4 = result["q4_placement"]
+    q4 = result["placement"]
     assert q4["of"] == 4 and q4["variant"] == chosen
     placed = json.loads((out / "placement_route.json").read_text())
     assert {layer["method"] for layer in placed["layers"]} == methods[chosen]
@@ -133,94 +196,93 @@ def test_study_end_to_end_then_nothing_to_redo(tiny_dir, tmp_path, monkeypatch, 
     assert q4["rank"] == 1 + sum(s > q4["given_score"] for s in others)
     assert q4["ties"] == sum(s == q4["given_score"] for s in others)
     assert "## Q4: placement" in (out / "study.md").read_text()
-    # the budgets-only variant trained the profile's least damaging method in every layer
-    profile = json.loads((out / "profile" / "profile.json").read_text())
-    budgets_only = json.loads((out / "routes" / "learned_budgets_only.json").read_text())
-    assert len({layer["method"] for layer in budgets_only["layers"]}) == 1
-    assert budgets_only["layers"][0]["method"] in profile["methods"]
-    # training seeds: learned_seed1 on the same samples and split, another optimisation seed
+
+
+def test_study_seeds_train_on_the_same_samples_and_report_their_spread(study):
+    out = study.out
     seeded = yaml.safe_load((out / "train" / "learned_seed1" / "config.yaml").read_text())
     base = yaml.safe_load((out / "train" / "learned" / "config.yaml").read_text())
     assert seeded["train_seed"] == 1 and seeded["seed"] == base["seed"]
     assert json.loads((out / "train" / "learned_seed1" / "split.json").read_text()) == json.loads(
         (out / "train" / "learned" / "split.json").read_text())
-    raw0 = [json.loads(line) for line in (out / "bench_agnostic" / "results.jsonl").read_text().splitlines()]
-    for b in result["protocols"]["agnostic"]["budgets"]:
+    for b in study.result["protocols"]["agnostic"]["budgets"]:
         sd = b["seeds"]
         assert set(sd["routes"]) == {"learned", "learned_seed1"} and sd["min"] <= sd["max"]
-        own = [r["score"] for r in raw0 if r["route"].endswith("/learned_seed1.json") and r["budget"] == b["budget"]]
-        assert len(own) == 4 and sd["routes"]["learned_seed1"] == pytest.approx(sum(own) / 4)
+        own = own_scores(study.raw, "learned_seed1", b["budget"])
+        assert len(own) == 4 and sd["routes"]["learned_seed1"] == pytest.approx(sum(own.values()) / 4)
     assert not (out / "routes" / "learned_seed1_start.json").exists()
-    # the control (question 8): each warm-started variant's untrained start, benched beside it
+
+
+def test_study_benches_each_warm_variant_beside_its_untrained_start(study):
+    out, result, raw = study.out, study.result, study.raw
     assert not (out / "routes" / "learned_start.json").exists()  # `learned` starts cold: no start to bench
     for b in result["protocols"]["agnostic"]["budgets"]:
-        assert set(b["q8_vs_start"]) == {"learned_budgets_only", "learned_warm", "learned_homog_adapter",
-                                         "learned_per_head", "learned_split"}
-    # the second stage kept budgets_only's trained layer totals (both exported at 0.25)
-    split = Route.from_file(out / "routes" / "learned_split.json")
-    assert len({e["budget"] for e in budgets_only["layers"]}) > 1  # trained away from uniform
-    assert [sum(h) / 2 for h in split.head_budgets(2)] == pytest.approx([e["budget"] for e in budgets_only["layers"]])
-    per_head = Route.from_file(out / "routes" / "learned_per_head.json")
-    assert per_head.is_per_head and per_head.n_heads == 2  # the tiny Llama's KV heads
-    for b in result["protocols"]["agnostic"]["budgets"]:  # Q9: per-head minus per-layer main and adakv
-        q9 = b["q9_per_head"]["learned_per_head"]
-        assert q9["vs_main"]["n"] == 4 and q9["vs_adakv"]["n"] == 4
-        # the cache it allocates over what it keeps, summed over its answers: split heads, nothing more
-        mine = [r for r in raw0 if r["route"].endswith("/learned_per_head.json") and r["budget"] == b["budget"]]
-        want = sum(r["allocated_kv_bytes"] for r in mine) / sum(r["kv_bytes"] for r in mine)
-        assert len(mine) == 4 and want == 1.0 and q9["allocated_over_kept"] == pytest.approx(want)
-    assert "Q9, per-head learning" in (out / "study.md").read_text()
-    assert "| learned_per_head | allocated / kept bytes | x1.00 |" in (out / "study.md").read_text()
-    # the per-head variant as the main route: Q9 does not compare it with itself, and the
-    # per-layer main becomes a Q6 row against it, paired over the same samples
-    as_main = A.analyze(out, main_variant="per_head")["protocols"]["agnostic"]["budgets"]
-    for b, b0 in zip(as_main, result["protocols"]["agnostic"]["budgets"]):
-        assert b["q9_per_head"]["learned_per_head"]["vs_main"] is None
-        assert b["q9_per_head"]["learned_per_head"]["vs_adakv"]["n"] == 4
-        assert b["q6_variants"]["learned"]["diff"] == pytest.approx(-b0["q9_per_head"]["learned_per_head"]["vs_main"]["diff"])
-    assert "n/a for itself" in (out / "study_per_head.md").read_text()
+        assert set(b["vs_start"]) == {"learned_budgets_only", "learned_warm", "learned_homog_adapter",
+                                      "learned_per_head", "learned_split"}
+    budgets_only = json.loads((out / "routes" / "learned_budgets_only.json").read_text())
+    profile = json.loads((out / "profile" / "profile.json").read_text())
+    # the budgets-only variant trained the profile's least damaging method in every layer
+    assert len({layer["method"] for layer in budgets_only["layers"]}) == 1
+    assert budgets_only["layers"][0]["method"] in profile["methods"]
     start = json.loads((out / "routes" / "learned_budgets_only_start.json").read_text())
     assert start["provenance"]["source"] == "start"
-    # the adapter variant's start (the profile's best method, uniform budgets, no adapter) is
-    # the budgets-only variant's: benched once, answering both variants' question 8
-    assert json.loads((out / "routes" / "shared_starts.json").read_text()) == {
-        "learned_homog_adapter_start": "learned_budgets_only_start"}
+    # a shared start (see the manifest test): benched once, answering both variants' vs_start
     assert json.loads((out / "routes" / "learned_homog_adapter_start.json").read_text())["layers"] == start["layers"]
-    raw_all = [json.loads(line) for line in (out / "bench_agnostic" / "results.jsonl").read_text().splitlines()]
-    assert not any(r["route"].endswith("learned_homog_adapter_start.json") for r in raw_all)
+    assert not any(r["route"].endswith("learned_homog_adapter_start.json") for r in raw)
     for b in result["protocols"]["agnostic"]["budgets"]:
-        def own(stem):
-            return {r["sample_id"]: r["score"] for r in raw_all
-                    if r["route"].endswith(f"/{stem}.json") and r["budget"] == b["budget"]}
-        n, want = mean_difference(own("learned_homog_adapter"), own("learned_budgets_only_start"))
-        assert n == 4 and b["q8_vs_start"]["learned_homog_adapter"]["diff"] == pytest.approx(want)
-        # the imported route: copied into routes/, benched at every budget, minus the main route in Q6
-        mine, main_own = own("imported_mixed"), own("learned")
-        assert len(mine) == 4 and b["q6_variants"]["imported_mixed"]["diff"] == pytest.approx(
-            sum(mine[k] - main_own[k] for k in mine) / 4)
-    copied = Route.from_file(out / "routes" / "imported_mixed.json")
-    assert [x.method for x in copied.layers] == ["tova", "snapkv", "knorm", "tova"]
-    assert copied.provenance["source"] == "elsewhere"
+        n, want = mean_difference(own_scores(raw, "learned_homog_adapter", b["budget"]),
+                                  own_scores(raw, "learned_budgets_only_start", b["budget"]))
+        assert n == 4 and b["vs_start"]["learned_homog_adapter"]["diff"] == pytest.approx(want)
     # budgets only from @profile_best: untrained, that is the homogeneous route of that method,
     # so both decode the same answers on every eval sample
     method = budgets_only["layers"][0]["method"]
     assert {layer["method"] for layer in start["layers"]} == {method}
     assert [layer["budget"] for layer in start["layers"]] == pytest.approx([0.25] * 4)
-    raw = [json.loads(line) for line in (out / "bench_agnostic" / "results.jsonl").read_text().splitlines()]
     got = {(r["sample_id"], r["budget"]): r["prediction"] for r in raw if r["route"].endswith("learned_budgets_only_start.json")}
     want = {(r["sample_id"], r["budget"]): r["prediction"] for r in raw if r["route"] == f"homogeneous:{method}"}
     assert len(got) == 8 and got == want
-    # in-family (niah_single_1 calibrated) and out-of-family (niah_single_2 never seen), side by side
+
+
+def test_study_per_head_variants_against_the_main_route_and_adakv(study):
+    out, result, raw = study.out, study.result, study.raw
+    budgets_only = Route.from_file(out / "routes" / "learned_budgets_only.json")
+    # the second stage kept budgets_only's trained layer totals (both exported at 0.25)
+    split = Route.from_file(out / "routes" / "learned_split.json")
+    assert len({e.budget for e in budgets_only.layers}) > 1  # trained away from uniform
+    assert [sum(h) / 2 for h in split.head_budgets(2)] == pytest.approx([e.budget for e in budgets_only.layers])
+    per_head = Route.from_file(out / "routes" / "learned_per_head.json")
+    assert per_head.is_per_head and per_head.n_heads == 2  # the tiny Llama's KV heads
+    for b in result["protocols"]["agnostic"]["budgets"]:  # per-head minus per-layer main and adakv
+        q9 = b["per_head"]["learned_per_head"]
+        assert q9["vs_main"]["n"] == 4 and q9["vs_adakv"]["n"] == 4
+        # the cache it allocates over what it keeps, summed over its answers: split heads, nothing more
+        mine = [r for r in raw if r["route"].endswith("/learned_per_head.json") and r["budget"] == b["budget"]]
+        want = sum(r["allocated_kv_bytes"] for r in mine) / sum(r["kv_bytes"] for r in mine)
+        assert len(mine) == 4 and want == 1.0 and q9["allocated_over_kept"] == pytest.approx(want)
+    assert "Q9, per-head learning" in (out / "study.md").read_text()
+    assert "| learned_per_head | allocated / kept bytes | x1.00 |" in (out / "study.md").read_text()
+    # the per-head variant as the main route: it is not compared with itself, and the
+    # per-layer main becomes a variants_vs_main row against it, paired over the same samples
+    as_main = A.analyze(out, main_variant="per_head")["protocols"]["agnostic"]["budgets"]
+    for b, b0 in zip(as_main, result["protocols"]["agnostic"]["budgets"]):
+        assert b["per_head"]["learned_per_head"]["vs_main"] is None
+        assert b["per_head"]["learned_per_head"]["vs_adakv"]["n"] == 4
+        assert b["variants_vs_main"]["learned"]["diff"] == pytest.approx(
+            -b0["per_head"]["learned_per_head"]["vs_main"]["diff"])
+    assert "n/a for itself" in (out / "study_per_head.md").read_text()
+
+
+def test_study_answers_in_and_out_of_family_against_their_own_controls(study):
+    result, raw = study.result, study.raw
     fam = result["protocols"]["agnostic"]["families"]
     assert fam["in"]["full_by_task"].keys() == {"niah_single_1"} and fam["out"]["full_by_task"].keys() == {"niah_single_2"}
     out_scores = [r["score"] for r in raw if r["route"].endswith("/learned.json") and r["budget"] == 0.25
                   and r["task"] == "niah_single_2"]
     assert fam["out"]["budgets"][0]["avg"]["learned"] == pytest.approx(sum(out_scores) / 2)
-    assert fam["out"]["budgets"][0]["q1_vs_best_homogeneous"]["n"] == 2
-    assert "out-of-family (tasks they never saw: niah_single_2" in (out / "study.md").read_text()
-    # the control pyramid:<best homogeneous method>, per budget, on the same eval samples
+    assert fam["out"]["budgets"][0]["vs_best_homogeneous"]["n"] == 2
+    assert "out-of-family (tasks they never saw: niah_single_2" in (study.out / "study.md").read_text()
+    # the controls pyramid: and adakv:<best homogeneous method>, per budget, on the same eval samples
     from statistics import mean
-    controls = [json.loads(x) for x in (out / "bench_agnostic_controls" / "results.jsonl").read_text().splitlines()]
     for b in result["protocols"]["agnostic"]["budgets"]:
         homog = {r["route"] for r in raw if r["route"].startswith("homogeneous:")}
         avg = {h: mean(r["score"] for r in raw if r["route"] == h and r["budget"] == b["budget"]) for h in sorted(homog)}
@@ -228,29 +290,30 @@ def test_study_end_to_end_then_nothing_to_redo(tiny_dir, tmp_path, monkeypatch, 
         assert b["best_homogeneous"] == best and b["pyramid_best"] == "pyramid:" + best.split(":")[1]
         assert b["adakv_best"] == "adakv:" + best.split(":")[1]  # Ada-KV's split of each layer over its heads
         for kind in ("pyramid", "adakv"):
-            assert b[f"q1_vs_{kind}_best"]["n"] == 4
-            assert {r["sample_id"] for r in controls if r["route"] == b[f"{kind}_best"] and r["budget"] == b["budget"]
-                    } == {r["sample_id"] for r in raw if r["route"] == "full"}
+            assert b[f"vs_{kind}_best"]["n"] == 4
+            assert {r["sample_id"] for r in study.controls if r["route"] == b[f"{kind}_best"]
+                    and r["budget"] == b["budget"]} == {r["sample_id"] for r in raw if r["route"] == "full"}
     # each family split compares against its own best homogeneous method's controls
     for split in ("in", "out"):
         for b in fam[split]["budgets"]:
             method = b["best_homogeneous"].split(":")[1]
             assert (b["pyramid_best"], b["adakv_best"]) == (f"pyramid:{method}", f"adakv:{method}"), (split, b["budget"])
+
+
+def test_study_pins_per_budget_routes_and_protocol_budgets(study):
+    out = study.out
     # the adapter variant: a fixed one-method route with its LoRA folder beside it
     adapted = json.loads((out / "routes" / "learned_homog_adapter.json").read_text())
     assert len({layer["method"] for layer in adapted["layers"]}) == 1
     assert (out / "routes" / adapted["provenance"]["adapter"] / "adapter_config.json").is_file()
-    rows = (out / "bench_agnostic" / "results.jsonl").read_text()
     # profile_all_budgets: each budget's profile routes run at that budget only
-    pinned = {(r["route"].rsplit("/", 1)[-1], r["budget"]) for r in map(json.loads, rows.splitlines())
-              if "/profile/" in r["route"]}
+    pinned = {(r["route"].rsplit("/", 1)[-1], r["budget"]) for r in study.raw if "/profile/" in r["route"]}
     assert pinned == {(f"profile_{b}{s}.json", b) for b in (0.25, 40) for s in ("", "_alloc")}
     # per_budget: each budget's own route runs at that budget only
-    own = {(r["route"].rsplit("/", 1)[-1], r["budget"]) for r in map(json.loads, rows.splitlines())
-           if "learned_at_" in r["route"]}
+    own = {(r["route"].rsplit("/", 1)[-1], r["budget"]) for r in study.raw if "learned_at_" in r["route"]}
     assert own == {("learned_at_0.25.json", 0.25), ("learned_at_40.json", 40)}
     # the aware protocol: its own budgets, the profile's and per-budget routes at those
-    aware = [json.loads(x) for x in (out / "bench_aware" / "results.jsonl").read_text().splitlines()]
+    aware = read_jsonl(out / "bench_aware" / "results.jsonl")
     assert {r["budget"] for r in aware} == {None, 0.25, 0.5}  # None: the full cache
     assert {(r["route"].rsplit("/", 1)[-1], r["budget"]) for r in aware if "learned_at_" in r["route"]} == {
         ("learned_at_0.25.json", 0.25), ("learned_at_0.5.json", 0.5)}
@@ -260,39 +323,34 @@ def test_study_end_to_end_then_nothing_to_redo(tiny_dir, tmp_path, monkeypatch, 
     trained = yaml.safe_load((out / "train" / "learned" / "config.yaml").read_text())
     assert trained["budgets"] == [0.25, 40, 0.5]
 
-    # Again: every stage is found finished; no prefill, no training step.
+
+def test_study_run_again_redoes_nothing_and_the_report_rescores_to_the_same_answers(study, monkeypatch, capsys):
     from learnroute.engine import Engine
     from learnroute.gates import train as T
 
     def refuse(*a, **k):
         raise AssertionError("a finished stage was redone")
 
+    rows = (study.out / "bench_agnostic" / "results.jsonl").read_text()
+    before = (study.out / "study.json").read_text()
     monkeypatch.setattr(Engine, "prefill", refuse)
     monkeypatch.setattr(T, "run_train", refuse)
-    assert main(["study", "--config", str(path)]) == 0
-    assert (out / "bench_agnostic" / "results.jsonl").read_text() == rows
-    # and the report re-scores the folders to the same answers
-    before = (out / "study.json").read_text()
-    assert main(["report", str(out), "--rescore"]) == 0
-    assert (out / "study.json").read_text() == before
-    # every question asked of another variant (a candidate default), beside the study's own answers
+    assert main(["study", "--config", str(study.path)]) == 0
+    assert (study.out / "bench_agnostic" / "results.jsonl").read_text() == rows
+    assert (study.out / "study.json").read_text() == before
+    assert main(["report", str(study.out), "--rescore"]) == 0
+    assert (study.out / "study.json").read_text() == before
+    # every comparison made with another variant as the main route, beside the study's own answers
     capsys.readouterr()
-    assert main(["report", str(out), "--main", "budgets_only"]) == 0
-    assert (out / "study.json").read_text() == before
-    other = json.loads((out / "study_budgets_only.json").read_text())
+    assert main(["report", str(study.out), "--main", "budgets_only"]) == 0
+    assert (study.out / "study.json").read_text() == before
+    other = json.loads((study.out / "study_budgets_only.json").read_text())
     assert other["answers"] == "study_budgets_only.md"
     assert "Q1 learned_budgets_only - best homog." in capsys.readouterr().out
-    for b, mine in zip(other["protocols"]["agnostic"]["budgets"], result["protocols"]["agnostic"]["budgets"]):
-        def of(route):
-            return {r["sample_id"]: r["score"] for r in raw_all if r["budget"] == b["budget"] and (
-                r["route"] == route or r["route"].endswith(f"/{route}.json"))}
-        _, want = mean_difference(of("learned_budgets_only"), of(b["best_homogeneous"]))
-        assert b["q1_vs_best_homogeneous"]["diff"] == pytest.approx(want)
-        assert "learned_budgets_only" not in b["q6_variants"] and "learned_seed1" in b["q6_variants"]
-        assert b["q6_variants"]["learned"]["diff"] == pytest.approx(-mine["q6_variants"]["learned_budgets_only"]["diff"])
-    with pytest.raises(SystemExit):
-        main(["report", str(out), "--main", "nope"])
-    assert "main variant 'nope' is not a variant" in capsys.readouterr().err
+    for b in other["protocols"]["agnostic"]["budgets"]:
+        _, want = mean_difference(own_scores(study.raw, "learned_budgets_only", b["budget"]),
+                                  own_scores(study.raw, b["best_homogeneous"], b["budget"]))
+        assert b["vs_best_homogeneous"]["diff"] == pytest.approx(want)
 
 
 def test_per_budget_variants_start_from_that_budgets_profile(tmp_path):
@@ -415,7 +473,7 @@ def test_study_under_torchrun_shards_and_resumes(tiny_dir, tmp_path, monkeypatch
     profile_route = json.loads((out / "profile" / "profile_0.25.json").read_text())["layers"]
     given = json.loads((out / "placement_route.json").read_text())["layers"]
     assert [x["method"] for x in given] == [x["method"] for x in profile_route]
-    assert json.loads((out / "study.json").read_text())["q4_placement"]["variant"] == "profile_0.25"
+    assert json.loads((out / "study.json").read_text())["placement"]["variant"] == "profile_0.25"
 
     # The fixed routes answer as in a one-process bench of the same samples.
     ref = tmp_path / "ref"
@@ -592,9 +650,9 @@ def test_adakv_over_a_method_that_scores_heads_alike_is_answered_by_its_homogene
         rows.append([{"sample_id": f"s{i}", "task": "niah_single_1", "route": route,
                       "budget": None if route == "full" else 0.1, "score": float(x)}
                      for route, xs in scores.items() for i, x in enumerate(xs)])
-    tova, snap = (A._answers(config, r, "learned", [0.1])["budgets"][0] for r in rows)
-    assert tova["adakv_best"] == "homogeneous:tova" and tova["q1_vs_adakv_best"]["diff"] == pytest.approx(0.5)
-    assert snap["adakv_best"] == "adakv:snapkv" and snap["q1_vs_adakv_best"]["diff"] == pytest.approx(0.25)
+    tova, snap = (A._answers(config, r, A.roles(config), [0.1])["budgets"][0] for r in rows)
+    assert tova["adakv_best"] == "homogeneous:tova" and tova["vs_adakv_best"]["diff"] == pytest.approx(0.5)
+    assert snap["adakv_best"] == "adakv:snapkv" and snap["vs_adakv_best"]["diff"] == pytest.approx(0.25)
     md = "\n".join(M._control_lines({"budgets": [tova]}, "learned"))
     assert "| 0.1 | adakv:tova (= homogeneous:tova: every KV head scores alike) | 25.0 | +50.0" in md
 
@@ -611,10 +669,10 @@ def test_routes_are_told_apart_by_what_they_are_not_by_their_suffix():
               "learned_x_seed9": [0, 1, 0, 0], "learned_seed1": [1, 1, 1, 1]}
     rows = [{"sample_id": f"s{i}", "task": "niah_single_1", "route": route, "budget": None if route == "full" else 0.1,
              "score": float(x)} for route, xs in scores.items() for i, x in enumerate(xs)]
-    e = A._answers(config, rows, "learned", [0.1])["budgets"][0]
-    assert set(e["q6_variants"]) == {"learned_cold_start", "learned_warm", "learned_x_seed9"}
-    assert e["q6_variants"]["learned_cold_start"]["diff"] == pytest.approx(0.25)  # (1+1+0+0)/4 - (1+0+0+0)/4
-    assert set(e["q8_vs_start"]) == {"learned_warm"} and e["q8_vs_start"]["learned_warm"]["diff"] == pytest.approx(0.75)
+    e = A._answers(config, rows, A.roles(config), [0.1])["budgets"][0]
+    assert set(e["variants_vs_main"]) == {"learned_cold_start", "learned_warm", "learned_x_seed9"}
+    assert e["variants_vs_main"]["learned_cold_start"]["diff"] == pytest.approx(0.25)  # (1+1+0+0)/4 - (1+0+0+0)/4
+    assert set(e["vs_start"]) == {"learned_warm"} and e["vs_start"]["learned_warm"]["diff"] == pytest.approx(0.75)
     assert set(e["seeds"]["routes"]) == {"learned", "learned_seed1"}
 
 
@@ -641,17 +699,17 @@ def test_the_seeds_of_a_second_stage_main_variant_train_the_whole_recipe_again(t
               "learned_first": [1, 0, 0, 0], "learned_first_seed1": [0, 0, 0, 0], "learned_first_seed2": [1, 1, 1, 1]}
     rows = [{"sample_id": f"s{i}", "task": "niah_single_1", "route": route, "budget": None if route == "full" else 0.1,
              "score": float(x)} for route, xs in scores.items() for i, x in enumerate(xs)]
-    e = A._answers(config, rows, "learned_second", [0.1])["budgets"][0]
+    e = A._answers(config, rows, A.roles(config), [0.1])["budgets"][0]
     sd = e["seeds"]
     assert set(sd["routes"]) == {"learned_second", "learned_second_seed1", "learned_second_seed2"}
-    assert sd["q8"]["learned_second"]["diff"] == pytest.approx(0.75 - 0.25)  # its own start
-    assert sd["q8"]["learned_second_seed1"]["diff"] == pytest.approx(0.5 - 0.0)  # first_seed1
-    assert sd["q8"]["learned_second_seed2"]["diff"] == pytest.approx(0.75 - 1.0)  # first_seed2
+    assert sd["vs_start"]["learned_second"]["diff"] == pytest.approx(0.75 - 0.25)  # its own start
+    assert sd["vs_start"]["learned_second_seed1"]["diff"] == pytest.approx(0.5 - 0.0)  # first_seed1
+    assert sd["vs_start"]["learned_second_seed2"]["diff"] == pytest.approx(0.75 - 1.0)  # first_seed2
     # pooled: seeds (2/3, 1, 2/3, 1/3) against their starts pooled (2/3, 1/3, 1/3, 1/3)
-    assert sd["pooled"]["q8"]["diff"] == pytest.approx((0 + 2 / 3 + 1 / 3 + 0) / 4)
-    assert sd["q1"]["learned_second_seed2"]["diff"] == pytest.approx(0.75 - 0.25)
+    assert sd["pooled"]["vs_start"]["diff"] == pytest.approx((0 + 2 / 3 + 1 / 3 + 0) / 4)
+    assert sd["vs_best_homogeneous"]["learned_second_seed2"]["diff"] == pytest.approx(0.75 - 0.25)
     # the first stage's seeds are the recipe's parts, not variants of their own to answer
-    assert not {"learned_first_seed1", "learned_first_seed2"} & set(e["q6_variants"])
+    assert not {"learned_first_seed1", "learned_first_seed2"} & set(e["variants_vs_main"])
 
 
 def test_a_second_stage_main_variant_with_seeds_runs_end_to_end(tiny_dir, tmp_path):
@@ -680,7 +738,7 @@ def test_a_second_stage_main_variant_with_seeds_runs_end_to_end(tiny_dir, tmp_pa
     rows = [r for r in read_jsonl(out / "bench_agnostic" / "results.jsonl") if r["budget"] == 0.25]
     mean_of = {name: sum(r["score"] for r in rows if r["route"].endswith(f"/{name}.json")) / 2
                for name in ("learned_split_seed1", "learned_first_seed1")}
-    assert sd["q8"]["learned_split_seed1"]["diff"] == pytest.approx(
+    assert sd["vs_start"]["learned_split_seed1"]["diff"] == pytest.approx(
         mean_of["learned_split_seed1"] - mean_of["learned_first_seed1"])
 
 
@@ -696,19 +754,19 @@ def test_every_training_seed_is_answered_against_the_main_routes_start_and_the_p
               "learned_warm_seed1": [1, 1, 0, 0], "learned_warm_seed2": [0, 0, 0, 0]}
     rows = [{"sample_id": f"s{i}", "task": "niah_single_1", "route": route, "budget": None if route == "full" else 0.1,
              "score": float(x)} for route, xs in scores.items() for i, x in enumerate(xs)]
-    sd = A._answers(config, rows, "learned_warm", [0.1])["budgets"][0]["seeds"]
-    assert set(sd["q8"]) == set(sd["q2"]) == {"learned_warm", "learned_warm_seed1", "learned_warm_seed2"}
-    assert sd["q8"]["learned_warm"]["diff"] == pytest.approx(0.75 - 0.25)
-    assert sd["q8"]["learned_warm_seed1"]["diff"] == pytest.approx(0.5 - 0.25)
-    assert sd["q8"]["learned_warm_seed2"]["diff"] == pytest.approx(0.0 - 0.25)
-    assert sd["q2"]["learned_warm_seed1"]["diff"] == pytest.approx(0.5 - 0.25)
+    sd = A._answers(config, rows, A.roles(config), [0.1])["budgets"][0]["seeds"]
+    assert set(sd["vs_start"]) == set(sd["vs_profile_alloc"]) == {"learned_warm", "learned_warm_seed1", "learned_warm_seed2"}
+    assert sd["vs_start"]["learned_warm"]["diff"] == pytest.approx(0.75 - 0.25)
+    assert sd["vs_start"]["learned_warm_seed1"]["diff"] == pytest.approx(0.5 - 0.25)
+    assert sd["vs_start"]["learned_warm_seed2"]["diff"] == pytest.approx(0.0 - 0.25)
+    assert sd["vs_profile_alloc"]["learned_warm_seed1"]["diff"] == pytest.approx(0.5 - 0.25)
     assert (sd["min"], sd["max"]) == (0.0, 0.75)
     # pooled: a sample's score is the mean over the three seeds, 2/3, 2/3, 1/3, 0; paired
     # with the start (0, 0, 0, 1) it is the mean of the seeds' own differences, (0.5 + 0.25 - 0.25) / 3
     pool = sd["pooled"]
     assert pool["avg"] == pytest.approx(5 / 12) and pool["n"] == 4
-    assert pool["q8"]["diff"] == pytest.approx(1 / 6)
-    assert pool["q2"]["diff"] == pytest.approx((-1 / 3 + 2 / 3 + 1 / 3 + 0) / 4)  # profile_alloc 1, 0, 0, 0
+    assert pool["vs_start"]["diff"] == pytest.approx(1 / 6)
+    assert pool["vs_profile_alloc"]["diff"] == pytest.approx((-1 / 3 + 2 / 3 + 1 / 3 + 0) / 4)  # profile_alloc 1, 0, 0, 0
     res = {"budgets": [{"budget": 0.1, "seeds": sd}]}
     table = "\n".join(M._seed_lines(res, "learned_warm", " in-family (4 samples)"))
     assert "Training seeds of `learned_warm` in-family (4 samples)" in table
@@ -726,7 +784,7 @@ def test_answers_mark_where_the_full_cache_itself_ties_the_reference():
               "learned": [1, 1, 1, 0]}
     rows = [{"sample_id": f"s{i}", "task": "niah_single_1", "route": route, "budget": None if route == "full" else 0.1,
              "score": float(x)} for route, xs in scores.items() for i, x in enumerate(xs)]
-    e = A._answers(config, rows, "learned", [0.1])["budgets"][0]
+    e = A._answers(config, rows, A.roles(config), [0.1])["budgets"][0]
     assert e["headroom"]["best_homogeneous"]["diff"] == pytest.approx(0.75)
     assert e["headroom"]["profile_alloc"]["diff"] == 0.0 and e["headroom"]["profile_alloc"]["verdict"] == "tie"
     q1, q2 = M._q12(e)
@@ -747,7 +805,7 @@ def test_a_main_route_that_answers_worse_with_more_cache_is_flagged():
     rows = [{"sample_id": f"s{i}", "task": "niah_single_1", "route": "full", "budget": None, "score": 1.0} for i in range(20)]
     rows += [{"sample_id": f"s{i}", "task": "niah_single_1", "route": "learned", "budget": b, "score": float(x)}
              for b, xs in learned.items() for i, x in enumerate(xs)]
-    steps = A._answers(config, rows, "learned", [0.4, 0.1, 0.2])["main_vs_smaller_budget"]  # any order in
+    steps = A._answers(config, rows, A.roles(config), [0.4, 0.1, 0.2])["main_vs_smaller_budget"]  # any order in
     assert [(s["from"], s["to"]) for s in steps] == [(0.1, 0.2), (0.2, 0.4)]
     by_hand = [sum(b - a for a, b in zip(learned[x], learned[y])) / 20 for x, y in ((0.1, 0.2), (0.2, 0.4))]
     assert [s["vs_smaller_budget"]["diff"] for s in steps] == pytest.approx(by_hand)  # -0.5, +1.0

@@ -263,13 +263,22 @@ class StudyConfig:
                 out[name] = source[len(VARIANT_TOKEN):]
         return out
 
+    def per_budget_variants(self) -> dict[str, dict[str, Any]]:
+        """The variants ``per_budget`` adds: the main variant once per budget, ``<main>@<budget>``."""
+        if not self.per_budget:
+            return {}
+        main = self.variants.get(self.main_variant, {})
+        return {f"{self.main_variant}@{b}": {**main, "budgets": [b]} for b in self.all_budgets}
+
+    def all_variants(self) -> dict[str, dict[str, Any]]:
+        """Every variant the study trains, in training order, with its own keys: ``variants``,
+        then the seeds' (:meth:`seeded_variants`) and the per-budget ones."""
+        return {**self.variants, **self.seeded_variants(), **self.per_budget_variants()}
+
     def variant_configs(self, out: Path, check: bool = False) -> dict[str, dict[str, Any]]:
         """Per variant the TrainConfig data: defaults <- ``train`` <- the variant's own keys,
         with the study's model, calibration set, budgets and methods."""
-        variants = {**self.variants, **self.seeded_variants()}
-        if self.per_budget:
-            for b in self.all_budgets:
-                variants[f"{self.main_variant}@{b}"] = {**self.variants.get(self.main_variant, {}), "budgets": [b]}
+        variants = self.all_variants()
         out_cfgs: dict[str, dict[str, Any]] = {}
         for name, over in variants.items():
             owned = sorted(set(over) & set(STUDY_OWNED))

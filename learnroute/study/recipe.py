@@ -12,20 +12,18 @@ from learnroute.config import from_dict
 from learnroute.gates.config import TrainConfig
 from learnroute.methods import get_method
 from learnroute.route import Route
-from learnroute.runs import atomic_write
 from learnroute.stats import best_homogeneous, sample_scores, solved_tasks
 from learnroute.study.analysis import analyze, family_split
 from learnroute.study.config import (
     CONTROLS,
     GROWABLE,
     IMPORTED,
-    SHARED_STARTS,
     START,
     StudyConfig,
     is_warm,
     route_name,
-    shared_starts,
 )
+from learnroute.study.manifest import build_manifest, read_manifest, write_manifest
 
 
 def run_study(config: StudyConfig, overwrite: bool = False) -> Path:
@@ -51,12 +49,12 @@ def run_study(config: StudyConfig, overwrite: bool = False) -> Path:
     run.train(variants)
     routes = run.export(variants)
     for protocol in config.protocols:
-        run.bench(protocol, variants, routes)
+        run.bench(protocol, routes)
     if config.placements > 0:
         run.placement(routes)
-    prefills.clear()  # nothing of the stages is held through the analysis
     if prefills.made or prefills.hits:
         _say(f"rank {state.process_index}: {prefills.summary()}")
+    prefills.clear()  # nothing of the stages is held through the analysis
     if run.first:
         analyze(out)
     state.wait_for_everyone()  # every rank returns a folder with study.md
@@ -149,7 +147,9 @@ class _Stages:
                         starts.append((start, route))
                     else:
                         shared[start] = same
-            atomic_write(routes / SHARED_STARTS, json.dumps(shared, indent=1) + "\n")
+            # What each route is (whose start, which seed, pinned to which budget): the bench
+            # and the analysis read it here, not from the names.
+            write_manifest(routes, build_manifest(self.config, shared))
             # Routes made elsewhere (trained at another length, on other families) travel
             # into the run folder, so that it holds everything its tables were made from.
             for name, path in self.config.imported_routes.items():
@@ -157,40 +157,29 @@ class _Stages:
         self.state.wait_for_everyone()
         return routes
 
-    def bench_routes(self, protocol: str, variants: dict[str, dict[str, Any]], routes: Path) -> list[str]:
+    def bench_routes(self, protocol: str, routes: Path) -> list[str]:
         """The route specs one protocol benches: full, homogeneous, pyramid, the profile's and
-        every variant's routes (a variant trained for one budget at that budget only)."""
+        every route of the manifest (a start benched in another's place left out; a route
+        trained for one budget at that budget only, in the protocols that have it)."""
         config, prof = self.config, self.out / "profile"
         budgets = config.protocol_budgets(protocol)
-        shared = shared_starts(routes)
-        seeded = config.seeded_variants()  # benched without an untrained start of their own
         specs = ["full"] + [f"homogeneous:{m}" for m in config.methods] + [f"pyramid:{m}" for m in config.pyramid]
         if config.profile_all_budgets:  # each budget's profile routes at that budget only
             specs += [str(prof / f"profile_{b}{s}.json@{b}") for b in budgets for s in ("", "_alloc")]
         else:
             pb = config.profiled_budget
             specs += [str(prof / f"profile_{pb}.json"), str(prof / f"profile_{pb}_alloc.json")]
-        for name, data in variants.items():
-            names = [route_name(name)] + ([f"{route_name(name)}_mixture"] if name in config.mixture_of else [])
-            start = f"{route_name(name)}{START}"
-            names += [start] if is_warm(data) and name not in seeded and start not in shared else []
-            # A variant trained for one budget (per_budget) is benched at that budget only,
-            # in the protocols that have that budget.
-            pin = ""
-            if len(data["budgets"]) == 1 and data["budgets"][0] in config.all_budgets:
-                if data["budgets"][0] not in budgets:
-                    continue
-                pin = f"@{data['budgets'][0]}"
-            specs += [f"{routes / n}.json{pin}" for n in names]
-        specs += [f"{routes / IMPORTED}{name}.json" for name in config.imported_routes]
+        for e in read_manifest(routes, config):
+            if e.benched_as is None and (e.budget is None or e.budget in budgets):
+                specs.append(f"{routes / e.name}.json" + ("" if e.budget is None else f"@{e.budget}"))
         return specs
 
-    def bench(self, protocol: str, variants: dict[str, dict[str, Any]], routes: Path) -> None:
+    def bench(self, protocol: str, routes: Path) -> None:
         """4. Eval samples, one protocol at its own budgets (bench skips finished samples)."""
         from learnroute.bench import run_bench
 
         self.log(f"stage 4/5: bench ({protocol}) on eval samples")
-        run_bench(self.bench_config(protocol, self.bench_routes(protocol, variants, routes), f"bench_{protocol}"),
+        run_bench(self.bench_config(protocol, self.bench_routes(protocol, routes), f"bench_{protocol}"),
                   prefills=self.prefills)
         self.controls(protocol)
 

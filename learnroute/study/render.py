@@ -90,8 +90,8 @@ def _q12(e: dict[str, Any]) -> tuple[str, str]:
     """Q1 (main minus the best homogeneous route) and Q2 (minus profile_alloc) of one budget's
     answers, each marked where the full cache itself does not beat that reference."""
     room = e.get("headroom") or {}  # absent in a study.json written before it
-    return (_ci(e.get("q1_vs_best_homogeneous"), room.get("best_homogeneous")),
-            _ci(e.get("q2_vs_profile_alloc"), room.get("profile_alloc")))
+    return (_ci(e.get("vs_best_homogeneous"), room.get("best_homogeneous")),
+            _ci(e.get("vs_profile_alloc"), room.get("profile_alloc")))
 
 
 CEILING_NOTE = ("'(ceiling)': the full cache itself does not beat that reference at that budget (paired), so "
@@ -103,7 +103,7 @@ def _control_lines(res: dict[str, Any], main: str, where: str = "") -> list[str]
     learning) and of Q8 (each learned route minus its start), for one protocol and family
     split (``where``: how the split is named in the tables' captions; empty for all)."""
     lines: list[str] = []
-    if any(e.get(f"q1_vs_{k}_best") for k in CONTROL_KINDS for e in res["budgets"]):
+    if any(e.get(f"vs_{k}_best") for k in CONTROL_KINDS for e in res["budgets"]):
         lines += ["", f"Controls{where}: `{main}` minus PyramidKV's allocation over layers and Ada-KV's over "
                   "each layer's KV heads, both over the best homogeneous method (paired, x100):", ""]
         lines.append(f"| budget | control route | its score | {main} - it |")
@@ -115,8 +115,8 @@ def _control_lines(res: dict[str, Any], main: str, where: str = "") -> list[str]
                     if not label.startswith(f"{k}:"):  # the homogeneous route stands in (see _answers)
                         label = f"{k}:{label.split(':', 1)[1]} (= {label}: every KV head scores alike)"
                     lines.append(f"| {e['budget']} | {label} | {100 * e['avg'][e[f'{k}_best']]:.1f} | "
-                                 f"{_ci(e.get(f'q1_vs_{k}_best'))} |")
-    per_head = sorted({v for e in res["budgets"] for v in e.get("q9_per_head", {})})
+                                 f"{_ci(e.get(f'vs_{k}_best'))} |")
+    per_head = sorted({v for e in res["budgets"] for v in e.get("per_head", {})})
     if per_head:
         versus = (f"the main route `{main}` (n/a for itself: the main route is per-head, and Q6 reads the "
                   "per-layer variants against it)" if main in per_head else f"the main per-layer route `{main}`")
@@ -127,18 +127,18 @@ def _control_lines(res: dict[str, Any], main: str, where: str = "") -> list[str]
         for v in per_head:
             for key, label in (("vs_main", main), ("vs_adakv", "adakv:<best>")):
                 lines.append(f"| {v} | {label} | " + " | ".join(
-                    _ci(e.get("q9_per_head", {}).get(v, {}).get(key)) for e in res["budgets"]) + " |")
-            ratios = [e.get("q9_per_head", {}).get(v, {}).get("allocated_over_kept") for e in res["budgets"]]
+                    _ci(e.get("per_head", {}).get(v, {}).get(key)) for e in res["budgets"]) + " |")
+            ratios = [e.get("per_head", {}).get(v, {}).get("allocated_over_kept") for e in res["budgets"]]
             lines.append(f"| {v} | allocated / kept bytes | "
                          + " | ".join("n/a" if x is None else f"x{x:.2f}" for x in ratios) + " |")
-    started = sorted({v for e in res["budgets"] for v in e.get("q8_vs_start", {})})
+    started = sorted({v for e in res["budgets"] for v in e.get("vs_start", {})})
     if started:
         lines += ["", f"Q8{where}, each learned route minus its untrained start (`<route>_start`, the same "
                   "warm start hardened without training; paired, x100):", ""]
         lines.append("| route | " + " | ".join(str(e["budget"]) for e in res["budgets"]) + " |")
         lines.append("|---|" + "---|" * len(res["budgets"]))
         for v in started:
-            lines.append(f"| {v} | " + " | ".join(_ci(e.get("q8_vs_start", {}).get(v)) for e in res["budgets"]) + " |")
+            lines.append(f"| {v} | " + " | ".join(_ci(e.get("vs_start", {}).get(v)) for e in res["budgets"]) + " |")
     return lines
 
 
@@ -189,13 +189,13 @@ def to_markdown(result: dict[str, Any], main: str) -> str:
         for e in res["budgets"]:
             avg = e["avg"]
             fmt = lambda r: f"{100 * avg[r]:.1f}" if r in avg else "n/a"  # noqa: E731
-            q3 = e.get("q3_tasks")
-            gap = e.get("q5_gap_recovered")
+            q3 = e.get("task_wins")
+            gap = e.get("gap_recovered")
             q1, q2_alloc = _q12(e)
             lines.append(
                 f"| {e['budget']} | {100 * e['full']:.1f} | {fmt(e['best_homogeneous'])} ({e['best_homogeneous']}) | "
                 f"{fmt('profile')} | {fmt('profile_alloc')} | {fmt(main)} | {q1} | "
-                f"{_ci(e.get('q2_vs_profile'))} | {q2_alloc} | "
+                f"{_ci(e.get('vs_profile'))} | {q2_alloc} | "
                 + (f"{q3['wins']}/{q3['ties']}/{q3['losses']} of {q3['tasks']}" if q3 else "n/a")
                 + f" | {'n/a' if gap is None else f'{100 * gap:.0f} %'} |"
             )
@@ -222,13 +222,13 @@ def to_markdown(result: dict[str, Any], main: str) -> str:
                         cells.append("" if v is None else f"{100 * v:.1f}")
                     head = f"{t} ({100 * res['full_by_task'][t]:.1f})" if i == 0 else ""
                     lines.append(f"| {head} | {label} | " + " | ".join(cells) + " |")
-        variants = sorted({v for e in res["budgets"] for v in e.get("q6_variants", {})})
+        variants = sorted({v for e in res["budgets"] for v in e.get("variants_vs_main", {})})
         if variants:
             lines += ["", f"Q6, each variant minus `{main}` (paired, x100):", ""]
             lines.append("| variant | " + " | ".join(str(e["budget"]) for e in res["budgets"]) + " |")
             lines.append("|---|" + "---|" * len(res["budgets"]))
             for v in variants:
-                lines.append(f"| {v} | " + " | ".join(_ci(e.get("q6_variants", {}).get(v)) for e in res["budgets"]) + " |")
+                lines.append(f"| {v} | " + " | ".join(_ci(e.get("variants_vs_main", {}).get(v)) for e in res["budgets"]) + " |")
         if "families" in res:
             lines += ["", *_family_table(res["families"], main)]
         lines += _seed_lines(res, main)
@@ -238,8 +238,8 @@ def to_markdown(result: dict[str, Any], main: str) -> str:
             lines += _seed_lines(part, main, f" {name} ({part['n_eval_samples']} samples)")
             lines += _control_lines(part, main, f" {name} ({part['n_eval_samples']} samples)")
         lines.append("")
-    if "q4_placement" in result:
-        p = result["q4_placement"]
+    if "placement" in result:
+        p = result["placement"]
         lines += [
             "## Q4: placement",
             "",
@@ -265,14 +265,14 @@ def _seed_lines(res: dict[str, Any], main: str, where: str = "") -> list[str]:
         if not sd:
             continue
         for r, v in sd["routes"].items():
-            lines.append(f"| {e['budget']} | {r} | {100 * v:.1f} | {_ci(sd['q1'][r])} | "
-                         f"{_ci(sd.get('q2', {}).get(r))} | {_ci(sd.get('q8', {}).get(r))} |")
+            lines.append(f"| {e['budget']} | {r} | {100 * v:.1f} | {_ci(sd['vs_best_homogeneous'][r])} | "
+                         f"{_ci(sd.get('vs_profile_alloc', {}).get(r))} | {_ci(sd.get('vs_start', {}).get(r))} |")
         lines.append(f"| {e['budget']} | spread | {100 * sd['min']:.1f}-{100 * sd['max']:.1f} "
                      f"(sd {100 * sd['sd']:.1f}) | | | |")
         pool = sd.get("pooled")  # absent in a study.json written before pooling
         if pool and pool["avg"] is not None:
-            lines.append(f"| {e['budget']} | **seeds pooled** | {100 * pool['avg']:.1f} | {_ci(pool.get('q1'))} | "
-                         f"{_ci(pool.get('q2'))} | {_ci(pool.get('q8'))} |")
+            lines.append(f"| {e['budget']} | **seeds pooled** | {100 * pool['avg']:.1f} | {_ci(pool.get('vs_best_homogeneous'))} | "
+                         f"{_ci(pool.get('vs_profile_alloc'))} | {_ci(pool.get('vs_start'))} |")
     return lines
 
 
@@ -295,7 +295,7 @@ def _family_table(families: dict[str, Any], main: str) -> list[str]:
             full = "n/a" if e.get("full") is None else f"{100 * e['full']:.1f}"
             out.append(f"| {e['budget']} | {label} | {full} | {fmt(best)} ({best}) | {fmt(main)} | "
                        f"{' | '.join(_q12(e))} | "
-                       f"{_ci(e.get('q8_vs_start', {}).get(main))} |")
+                       f"{_ci(e.get('vs_start', {}).get(main))} |")
     return out
 
 
@@ -313,17 +313,17 @@ def summary_table(result: dict[str, Any]) -> str:
         rows += [(f"{protocol}, {family_label[k]}", v) for k, v in whole.get("families", {}).items()]
     for label, res in rows:
         for e in res["budgets"]:
-            q3 = e.get("q3_tasks")
-            gap = e.get("q5_gap_recovered")
+            q3 = e.get("task_wins")
+            gap = e.get("gap_recovered")
             lines.append(
-                f"| {label} | {e['budget']} | {' | '.join(_q12(e))} | {_ci(e.get('q8_vs_start', {}).get(main))} | "
+                f"| {label} | {e['budget']} | {' | '.join(_q12(e))} | {_ci(e.get('vs_start', {}).get(main))} | "
                 + (f"{q3['wins']}/{q3['tasks']}" if q3 else "n/a")
                 + f" | {'n/a' if gap is None else f'{100 * gap:.0f} %'} |"
             )
     if any("(ceiling)" in line for line in lines):
         lines.append(f"\n{CEILING_NOTE}")
-    if "q4_placement" in result:
-        p = result["q4_placement"]
+    if "placement" in result:
+        p = result["placement"]
         lines.append(
             f"\nQ4: the placement of `{p.get('variant', 'learned')}` ranks {p['rank']} of {p['of']} random placements of its methods."
         )
