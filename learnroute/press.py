@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Generator
 from dataclasses import dataclass, field
 
@@ -19,38 +18,32 @@ from learnroute.methods.select import kept_count, select, stack_heads
 from learnroute.methods.registry import get_method
 from learnroute.route import Route, RouteError
 
-logger = logging.getLogger(__name__)
-
 
 @dataclass
 class RoutedPress(BasePress):
     """A kvpress press applying ``route``: layer l scores with its method (or the mixed ranks
     of a mixture layer's methods), keeps its budget.
 
-    Works in kvpress's pipeline on CPU with sdpa or eager, in one line::
+    A route whose layers all keep the same count works in kvpress's pipeline on CPU with
+    sdpa or eager, in one line, and leaves the model as it found it::
 
         pipe(context, question=q, press=RoutedPress(route))
 
-    kvpress decodes *after* the press context has closed, so when layers keep different
-    counts (per-layer budgets, ``full`` next to compressed layers, or a model with local
+    kvpress decodes *after* the press context has closed. When layers keep different counts
+    (per-layer or per-head budgets, ``full`` next to compressed layers, a model with local
     sliding-window layers such as Gemma3) the model must still run route-aware attention
-    then. RoutedPress therefore switches such a model to it (``learnroute_sdpa`` /
-    ``learnroute_eager``) and leaves it switched, logging once at INFO. That attention is
-    bit-identical to the stock one whenever every layer's cache has the same length.
-    To have the model's own attention back after the call, use the scope instead::
+    then, and a route naming an adapter (``provenance["adapter"]``, :mod:`learnroute.adapter`)
+    must have it on; both outlast the press context, so they are asked for explicitly, and
+    undone when the scope ends::
 
-        with learnroute.routed_attention(model):
-            pipe(context, question=q, press=RoutedPress(route))
+        press = RoutedPress(route)
+        with press.scope(model):
+            pipe(context, question=q, press=press)
 
-    A route naming an adapter (``provenance["adapter"]``, :mod:`learnroute.adapter`) runs
-    with it: the adapter is attached and off while the press context is open (the
-    prefill: the cache is the base model's), then switched on when it closes, for
-    kvpress's decoding; it stays attached and on afterwards (logged at INFO). A route
-    without adapter switches every attached adapter off. To have the model as it was
-    after the call::
-
-        with learnroute.adapter_scope(model):
-            pipe(context, question=q, press=RoutedPress(route))
+    Without the scope such a route is refused before any forward, with this advice.
+    Route-aware attention (``learnroute_sdpa`` / ``learnroute_eager``) is bit-identical to
+    the stock one whenever every layer's cache has the same length; an adapter is off for
+    the prefill (the cache is the base model's) and on for the decoding.
     """
 
     route: Route
@@ -115,32 +108,55 @@ class RoutedPress(BasePress):
             _hf.set_press_padding(module, valid, longest)
         return keys.gather(2, idx).contiguous(), values.gather(2, idx).contiguous()
 
-    @contextlib.contextmanager
-    def __call__(self, model: PreTrainedModel) -> Generator:
+    def _check(self, model: PreTrainedModel) -> None:
+        """The route against the model (layers, heads, adapter shapes), before any forward."""
         self.route.check_layers(len(_hf.attention_modules(model)))
         self.route.check_heads(_hf.kv_heads(model))
+        self._local = _hf.local_attention_layers(model)
         if self._adapter is not None:
             from learnroute.models import model_name
 
-            _adapter.attach(model, self._adapter, model_name(model))  # checked against the model first
-        self._local = _hf.local_attention_layers(model)
-        if self.needs_routed_attention() and not _hf.is_routed(model):
-            _hf.switch_to_routed_attention(model)
-            logger.info(
-                "RoutedPress: layers keep different cache lengths, so the model now runs attn_implementation %r "
-                "(identical to the stock one when all layers keep the same length); wrap the call in "
-                "`with learnroute.routed_attention(model):` to have the original restored afterwards",
-                _hf.attn_implementation(model),
-            )
+            self._adapter.check(model, model_name(model))
+
+    @contextlib.contextmanager
+    def scope(self, model: PreTrainedModel) -> Generator:
+        """What decoding after the press context needs, held until the scope ends: the
+        model's route-aware attention where layers (or heads) keep different counts, and the
+        route's adapter attached (on for decoding). On exit the model's attention, its
+        adapters and their on/off state are as before."""
+        self._check(model)
+        with contextlib.ExitStack() as stack:
+            if self.needs_routed_attention():
+                stack.enter_context(_hf.routed_attention(model))
+            stack.enter_context(_adapter.adapter_scope(model))
+            stack.callback(_hf.clear_press_padding, model)
+            if self._adapter is not None:
+                from learnroute.models import model_name
+
+                _adapter.attach(model, self._adapter, model_name(model))
+            self._scoped = model
+            stack.callback(setattr, self, "_scoped", None)
+            yield self
+
+    @contextlib.contextmanager
+    def __call__(self, model: PreTrainedModel) -> Generator:
+        self._check(model)
+        scoped = getattr(self, "_scoped", None) is model
+        if not scoped:
+            needs = []
+            if self.needs_routed_attention() and not _hf.is_routed(model):
+                needs.append("its layers (or KV heads) keep different token counts, so the model must decode "
+                             "with route-aware attention")
+            if self._adapter is not None:
+                needs.append(f"it names the adapter {self.route.adapter_path}, which must be on for decoding")
+            if needs:
+                raise RouteError(
+                    f"RoutedPress: {'; '.join(needs)}, after the press context closes (kvpress decodes after "
+                    "it). Wrap the pipeline call: `press = RoutedPress(route)` then `with press.scope(model): "
+                    "pipe(context, question=q, press=press)`; the scope restores the model afterwards")
         # kvpress's context sets each module's rotary_emb itself; ours goes second so that
         # layer-typed rotaries (Gemma3) get the module's own layer type.
         with super().__call__(model), _hf.rotary_on_attention(model), _adapter.adapters_off(model):
             yield
-        # kvpress decodes after this context: with the route's adapter on (or every one off).
-        _adapter.set_active(model, self._adapter)
-        if self._adapter is not None:
-            logger.info(
-                "RoutedPress: adapter %s is attached and on for decoding; wrap the call in "
-                "`with learnroute.adapter_scope(model):` to have the model as it was afterwards",
-                self.route.adapter_path,
-            )
+        if scoped:  # kvpress decodes next: with the route's adapter on, until the scope ends
+            _adapter.set_active(model, self._adapter)

@@ -146,14 +146,20 @@ def test_routed_press_runs_the_adapter_for_decoding_only(tiny, tokenizer, sample
     )
     assert res.token_ids != base.token_ids  # the random adapter changes the answer
     pipe = pipeline("kv-press-text-generation", model=tiny, tokenizer=tokenizer, device="cpu")
-    with lr.routed_attention(tiny), lr.adapter_scope(tiny):
+    press = lr.RoutedPress(loaded)
+    with pytest.raises(lr.RouteError, match="names the adapter .* on for decoding.*press.scope"):
+        pipe(sample.context, question=sample.question, press=press, max_new_tokens=6)
+    with press.scope(tiny):
         got = pipe(sample.context, question=sample.question, answer_prefix=sample.answer_prefix,
-                   press=lr.RoutedPress(loaded), max_new_tokens=6)["answer"]
-        assert A.attached_names(tiny)  # left on for kvpress's decoding, after the press context
-        plain_answer = pipe(sample.context, question=sample.question, answer_prefix=sample.answer_prefix,
-                            press=lr.RoutedPress(route_at()), max_new_tokens=6)["answer"]
-    assert got == res.answer and plain_answer == base.answer
+                   press=press, max_new_tokens=6)["answer"]
+        assert A.attached_names(tiny)  # on for kvpress's decoding, after the press context
     assert plain(tiny)  # the scope detached it
+    other = lr.RoutedPress(route_at())
+    with other.scope(tiny):
+        plain_answer = pipe(sample.context, question=sample.question, answer_prefix=sample.answer_prefix,
+                            press=other, max_new_tokens=6)["answer"]
+    assert got == res.answer and plain_answer == base.answer
+    assert plain(tiny) and tiny.config._attn_implementation == "sdpa"
 
 
 # ---------------------------------------------------------------------------- bad input

@@ -79,9 +79,11 @@ def test_every_method_runs_and_keeping_everything_reproduces_transformers(arch, 
     for r in results:  # every route decodes to the token limit or to EOS
         assert len(r.token_ids) == 6 or (r.token_ids and r.token_ids[-1] == eos), r.route.describe()
     # The mixed route, independently: RoutedPress inside kvpress's own pipeline and decode
-    # (the press switches the model to route-aware attention itself).
+    # (its scope holds route-aware attention for kvpress's decoding).
     pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device="cpu")
-    answer = pipe(sample.context, question=sample.question, press=RoutedPress(MIXED), max_new_tokens=6)["answer"]
+    press = RoutedPress(MIXED)
+    with press.scope(model):
+        answer = pipe(sample.context, question=sample.question, press=press, max_new_tokens=6)["answer"]
     assert answer == results[-1].answer
 
 
@@ -94,13 +96,15 @@ def test_gemma3_routed_press_in_kvpress_pipeline_gives_the_engine_answers(tokeni
         with lr.routed_attention(model):
             answer = pipe(sample.context, question=sample.question, press=RoutedPress(route), max_new_tokens=6)
         assert answer["answer"] == res.answer
-    assert model.config._attn_implementation == "sdpa"  # the scope restored it
-    # Local layers keep more tokens than the global ones, so even a uniform route needs
-    # route-aware attention: without the scope RoutedPress switches the model for good.
-    for route, res in zip(routes, ours):
-        answer = pipe(sample.context, question=sample.question, press=RoutedPress(route), max_new_tokens=6)
+        press = RoutedPress(route)  # the press's own scope does the same
+        with press.scope(model):
+            answer = pipe(sample.context, question=sample.question, press=press, max_new_tokens=6)
         assert answer["answer"] == res.answer
-    assert model.config._attn_implementation == "learnroute_sdpa"
+    assert model.config._attn_implementation == "sdpa"  # the scopes restored it
+    # Local layers keep more tokens than the global ones, so even a uniform route needs
+    # route-aware attention: without a scope it is refused.
+    with pytest.raises(lr.RouteError, match="press.scope"):
+        pipe(sample.context, question=sample.question, press=RoutedPress(routes[0]), max_new_tokens=6)
 
 
 def test_profile_of_gemma3_skips_local_layers_and_allocates_among_the_global_ones(tokenizer, tmp_path):

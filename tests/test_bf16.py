@@ -45,12 +45,14 @@ def test_engine_in_bf16_keeps_what_kvpress_keeps_in_bf16(bf16, tokenizer, sample
 
 
 def test_mixed_and_per_head_routes_in_bf16_press_as_in_the_engine(tokenizer, sample):
-    model = make_tiny(tokenizer).to(torch.bfloat16)  # its own: RoutedPress switches its attention
+    model = make_tiny(tokenizer).to(torch.bfloat16)
     engine = Engine(model, tokenizer, max_new_tokens=6)
     pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device="cpu")
     for route in [Route.homogeneous("snapkv", 4, 0.4), *ROUTES[3:5]]:  # RoutedPress leaves adakv to kvpress
         (res,) = engine.run(sample.context, sample.question, [route], answer_prefix=sample.answer_prefix)
-        assert ask(pipe, sample, RoutedPress(route)) == res.answer, route.describe()
+        press = RoutedPress(route)
+        with press.scope(model):
+            assert ask(pipe, sample, press) == res.answer, route.describe()
 
 
 def test_bf16_halves_the_cache_and_stays_near_float32(bf16, tiny, tokenizer, sample):

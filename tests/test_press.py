@@ -1,5 +1,3 @@
-import logging
-
 import pytest
 from kvpress import KnormPress, SnapKVPress, TOVAPress
 from transformers import pipeline
@@ -40,38 +38,47 @@ MIXED_ROUTES = {
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("name", list(MIXED_ROUTES))
-def test_mixed_route_in_kvpress_pipeline_needs_no_wrapper(tokenizer, sample, caplog, attn, name):
+def test_mixed_route_in_kvpress_pipeline_runs_in_the_press_scope_and_restores_the_model(
+        tokenizer, sample, attn, name, monkeypatch):
     route = MIXED_ROUTES[name]
-    model = make_tiny(tokenizer, attn=attn)  # its own model: RoutedPress switches it for good
+    model = make_tiny(tokenizer, attn=attn)
     (res,) = Engine(model, tokenizer, max_new_tokens=6).run(
         sample.context, sample.question, [route], answer_prefix=sample.answer_prefix
     )
     assert model.config._attn_implementation == attn  # the engine restores what it switches
     pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device="cpu")
-    with caplog.at_level(logging.INFO, logger="learnroute.press"):
-        first = ask(pipe, sample, RoutedPress(route))
-        second = ask(pipe, sample, RoutedPress(route))
+    press = RoutedPress(route)
+    with press.scope(model):
+        first = ask(pipe, sample, press)
+        second = ask(pipe, sample, press)
+        assert model.config._attn_implementation == f"learnroute_{attn}"  # for kvpress's decoding
     assert first == second == res.answer
-    assert model.config._attn_implementation == f"learnroute_{attn}"
-    switched = [r for r in caplog.records if r.name == "learnroute.press"]
-    assert len(switched) == 1 and f"learnroute_{attn}" in switched[0].getMessage()  # said once
+    assert model.config._attn_implementation == attn  # restored
+    # Without the scope the route is refused before any forward, saying what to write.
+    monkeypatch.setattr(model.model, "forward", lambda *a, **k: pytest.fail("a forward ran"))
+    with pytest.raises(lr.RouteError, match=r"different token counts.*with press.scope\(model\)"):
+        ask(pipe, sample, press)
+    assert model.config._attn_implementation == attn
 
 
-def test_uniform_route_leaves_the_model_alone(tokenizer, sample, caplog):
+def test_uniform_route_needs_no_scope_and_leaves_the_model_alone(tokenizer, sample):
     model = make_tiny(tokenizer)
+    route = Route.from_layers(["snapkv", "tova", "knorm", "h2o"], 0.3)
+    (res,) = Engine(model, tokenizer, max_new_tokens=6).run(
+        sample.context, sample.question, [route], answer_prefix=sample.answer_prefix)
     pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device="cpu")
-    with caplog.at_level(logging.INFO, logger="learnroute.press"):
-        ask(pipe, sample, RoutedPress(Route.from_layers(["snapkv", "tova", "knorm", "h2o"], 0.3)))
+    assert ask(pipe, sample, RoutedPress(route)) == res.answer
     assert model.config._attn_implementation == "sdpa"
-    assert not [r for r in caplog.records if r.name == "learnroute.press"]
+    assert not [a for m in _hf.attention_modules(model) for a in vars(m) if a.startswith("_learnroute")]
 
 
 def test_routed_press_refuses_attention_it_cannot_route(tokenizer, sample):
     model = make_tiny(tokenizer)
     _hf._set_attn(model, "flash_attention_2")  # never run: refused before any forward
     pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device="cpu")
-    with pytest.raises(ValueError, match="'sdpa' or 'eager', got 'flash_attention_2'"):
-        ask(pipe, sample, RoutedPress(MIXED_ROUTES["per-layer budgets"]))
+    press = RoutedPress(MIXED_ROUTES["per-layer budgets"])
+    with pytest.raises(ValueError, match="'sdpa' or 'eager', got 'flash_attention_2'"), press.scope(model):
+        ask(pipe, sample, press)
 
 
 def test_mixed_route_with_the_scope_equals_the_engine_and_restores(pipe, tiny, tokenizer, sample):

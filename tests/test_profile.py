@@ -167,9 +167,11 @@ def test_profile_routes_load_in_bench_and_routed_press(planted, tiny_dir, tmp_pa
     route = lr.Route.from_file(out / "profile_16_alloc.json")
     pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tok, device="cpu")
     sample = make_samples("niah_single_1", tok, 1, 300, "eval")[0]
-    assert len(set(route.budgets)) > 1  # per-layer budgets: RoutedPress switches the attention itself
+    assert len(set(route.budgets)) > 1  # per-layer budgets: decoded inside the press's scope
     (ref,) = lr.Engine(model, tok, max_new_tokens=3).run(sample.context, sample.question, [route])
-    res = pipe(sample.context, question=sample.question, press=lr.RoutedPress(route), max_new_tokens=3)
+    press = lr.RoutedPress(route)
+    with press.scope(model):
+        res = pipe(sample.context, question=sample.question, press=press, max_new_tokens=3)
     assert res["answer"] == ref.answer
 
 

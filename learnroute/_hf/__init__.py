@@ -24,6 +24,7 @@ from learnroute._hf.attention import (
     is_routed,
     padded_keys,
     routed_attention,
+    clear_press_padding,
     set_press_padding,
     switch_to_routed_attention,
 )
@@ -89,6 +90,7 @@ __all__ = [
     "quiet_loading",
     "rotary_on_attention",
     "routed_attention",
+    "clear_press_padding",
     "set_press_padding",
     "switch_to_routed_attention",
     "text_config",

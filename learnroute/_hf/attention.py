@@ -293,6 +293,13 @@ def set_press_padding(module: nn.Module, valid: torch.Tensor, pad_end: int) -> N
     setattr(module, _PRESS_PAD_ATTR, (valid, pad_end))
 
 
+def clear_press_padding(model: PreTrainedModel) -> None:
+    """Drop every mark :func:`set_press_padding` left on ``model``'s layers."""
+    for m in attention_modules(model):
+        if hasattr(m, _PRESS_PAD_ATTR):
+            delattr(m, _PRESS_PAD_ATTR)
+
+
 @contextlib.contextmanager
 def attention_bias(model: PreTrainedModel, biases: dict[int, torch.Tensor]) -> Iterator[None]:
     """Add ``biases[layer]`` (B, H_kv or H_q, n_ctx) to the logits of the first n_ctx keys.
