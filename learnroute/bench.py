@@ -10,7 +10,7 @@ Run folder::
 
     config.yaml      the resolved config          versions.json  library versions, git commit (every start)
     samples.jsonl    every sample evaluated        results.jsonl  one row per task x sample x route x budget
-    summary.csv/.md  tables (learnroute.summary)   plot.png       average score vs budget
+    summary.csv/.md  tables (learnroute.report)   plot.png       average score vs budget
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from learnroute.methods.registry import METHODS
 from learnroute.route import Route, RouteError, budget_problem, parse_budget
@@ -27,6 +28,7 @@ from learnroute.runs import (
     append_jsonl,
     device_problem,
     DTYPE_HELP,
+    Dtype,
     dtype_problem,
     prepare_folder,
     process_state,
@@ -63,7 +65,7 @@ class BenchConfig:
             "FILE@BUDGET (that file at that budget only, e.g. a profile route made for it)"
         },
     )
-    route_file_budgets: str = field(
+    route_file_budgets: Literal["scale", "file"] = field(
         default="scale",
         metadata={
             "help": "scale: route files keep their methods, their per-layer budget shape is rescaled to each "
@@ -89,7 +91,7 @@ class BenchConfig:
     longbench_dir: str | None = field(
         default=None, metadata={"help": "folder of LongBench JSONL files (default $LEARNROUTE_LONGBENCH)"}
     )
-    dtype: str = field(default="float32", metadata={"help": DTYPE_HELP})
+    dtype: Dtype = field(default="float32", metadata={"help": DTYPE_HELP})
     device: str = field(
         default="auto", metadata={"help": "auto (CUDA when available) | cpu | cuda (refused without CUDA)"}
     )
@@ -245,8 +247,7 @@ def run_bench(config: BenchConfig, overwrite: bool = False, *, prefills=None) ->
     from learnroute import _hf
     from learnroute.engine import Engine
     from learnroute.models import load_model, model_name
-    from learnroute.summary import summarize
-    from learnroute.tasks.metrics import score_is_final, score_sample
+    from learnroute.report import summarize
 
     device = resolve_device(config.device)  # cuda without CUDA is refused before anything is written
     state = process_state()  # samples are sharded across ranks (torchrun / accelerate launch)
@@ -279,50 +280,7 @@ def run_bench(config: BenchConfig, overwrite: bool = False, *, prefills=None) ->
         todo = [c for c in cells if (sample.id, *c.key) not in done]
         if not todo:
             continue
-        max_new = config.max_new_tokens or sample.meta.get("max_new_tokens", 50)
-        prompt = engine.encode(
-            sample.context,
-            sample.question,
-            sample.answer_prefix,
-            chat=sample.meta.get("chat_template", True),
-            max_new_tokens=max_new,
-        )
-        n = prompt.context_ids.shape[1]
-        for c in todo:
-            if isinstance(c.budget, int) and c.budget >= n and (c.budget, task) not in warned:
-                warned.add((c.budget, task))
-                tqdm.write(
-                    f"note: budget {c.budget} >= context ({n} tokens) in {task}: the cache is kept whole",
-                    file=sys.stderr,
-                )
-        engine.check_routes([c.route for c in todo], n)
-        prefill = engine.prefill(prompt)
-        # LongBench's samsum generates with "\n" as a second EOS and at least one new token.
-        stop = (newline_id,) if sample.meta.get("stop_at_newline") else ()
-        until = (lambda text, sample=sample: score_is_final(sample, text)) if config.stop_at_final_score else None
-        results = engine.answer(
-            prefill, [c.route for c in todo], max_new_tokens=max_new, stop_token_ids=stop, min_new_tokens=len(stop),
-            until=until,
-        )
-        rows = []
-        for c, r in zip(todo, results):
-            rows.append(
-                {
-                    "task": task,
-                    "sample_id": sample.id,
-                    "route": c.name,
-                    "budget": c.budget,
-                    "prediction": r.answer,
-                    "score": score_sample(sample, r.answer),
-                    "kv_bytes": r.kv_bytes,  # what the route keeps
-                    "allocated_kv_bytes": r.allocated_kv_bytes,  # its cache with per-head padding
-                    "kv_fraction": r.kv_fraction,
-                    "n_tokens": n,
-                    "seconds": r.seconds,
-                    "prefill_seconds": prefill.seconds,
-                    "rank": rank,
-                }
-            )
+        rows = _bench_sample(engine, config, task, sample, todo, newline_id, warned, rank)
         append_jsonl(out / "results.jsonl", rows)
         if wb is not None:
             for row in rows:
@@ -332,14 +290,62 @@ def run_bench(config: BenchConfig, overwrite: bool = False, *, prefills=None) ->
     if state.is_main_process:
         summary = summarize(out)
         if wb is not None:
-            import wandb
-
-            wb.log(
-                {
-                    "summary": wandb.Table(
-                        dataframe=None, columns=list(summary[0]), data=[list(r.values()) for r in summary]
-                    )
-                }
-            )
-            wb.finish()
+            _log_summary(wb, summary)
     return out
+
+
+def _bench_sample(engine, config: BenchConfig, task: str, sample, todo: list, newline_id: int, warned: set,
+                  rank: int) -> list[dict]:
+    """One sample's prefill and every unfinished cell's answer on it: the results rows."""
+    from tqdm import tqdm
+
+    from learnroute.tasks.metrics import score_is_final, score_sample
+
+    max_new = config.max_new_tokens or sample.meta.get("max_new_tokens", 50)
+    prompt = engine.encode(
+        sample.context,
+        sample.question,
+        sample.answer_prefix,
+        chat=sample.meta.get("chat_template", True),
+        max_new_tokens=max_new,
+    )
+    n = prompt.context_ids.shape[1]
+    for c in todo:
+        if isinstance(c.budget, int) and c.budget >= n and (c.budget, task) not in warned:
+            warned.add((c.budget, task))
+            tqdm.write(f"note: budget {c.budget} >= context ({n} tokens) in {task}: the cache is kept whole",
+                       file=sys.stderr)
+    engine.check_routes([c.route for c in todo], n)
+    prefill = engine.prefill(prompt)
+    # LongBench's samsum generates with "\n" as a second EOS and at least one new token.
+    stop = (newline_id,) if sample.meta.get("stop_at_newline") else ()
+    until = (lambda text: score_is_final(sample, text)) if config.stop_at_final_score else None
+    results = engine.answer(
+        prefill, [c.route for c in todo], max_new_tokens=max_new, stop_token_ids=stop, min_new_tokens=len(stop),
+        until=until,
+    )
+    return [
+        {
+            "task": task,
+            "sample_id": sample.id,
+            "route": c.name,
+            "budget": c.budget,
+            "prediction": r.answer,
+            "score": score_sample(sample, r.answer),
+            "kv_bytes": r.kv_bytes,  # what the route keeps
+            "allocated_kv_bytes": r.allocated_kv_bytes,  # its cache with per-head padding
+            "kv_fraction": r.kv_fraction,
+            "n_tokens": n,
+            "seconds": r.seconds,
+            "prefill_seconds": prefill.seconds,
+            "rank": rank,
+        }
+        for c, r in zip(todo, results)
+    ]
+
+
+def _log_summary(wb, summary: list[dict]) -> None:
+    import wandb
+
+    wb.log({"summary": wandb.Table(dataframe=None, columns=list(summary[0]), data=[list(r.values()) for r in summary])})
+    wb.finish()

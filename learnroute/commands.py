@@ -96,7 +96,7 @@ def placement(argv: list[str]) -> int:
 def report(argv: list[str]) -> int:
     """Rewrite a bench folder's summary (CSV, markdown, plot), or a study folder's answers
     (study.json, study.md and its benches' summaries), from the JSONL files alone."""
-    from learnroute.summary import summarize
+    from learnroute.report import summarize
 
     parser = argparse.ArgumentParser(prog="learnroute report", description=report.__doc__)
     parser.add_argument(
@@ -132,15 +132,17 @@ def report(argv: list[str]) -> int:
                      "folder at a time)")
     folder = Path(args.folder[0])
     if args.paired:
-        from learnroute.report import paired_table, parse_pools
+        from learnroute.bench import BenchConfig
+        from learnroute.config import to_dict
+        from learnroute.report import load_folders, paired_table, parse_pools
 
         if args.bootstrap < 100:
             parser.error(f"--bootstrap must be >= 100, got {args.bootstrap}")
         try:
             pools = parse_pools(args.pool)
-            print(paired_table(args.folder, args.paired, args.against, args.bootstrap, args.rescore, args.tasks,
-                               pools),
-                  end="")
+            # a key an older folder's config.yaml lacks ran at the bench's default
+            rows = load_folders(args.folder, args.rescore, defaults=to_dict(BenchConfig()))
+            print(paired_table(rows, args.paired, args.against, args.bootstrap, args.tasks, pools), end="")
         except (FileNotFoundError, ValueError) as e:
             parser.exit(2, f"learnroute report: error: {e}\n")
         return 0

@@ -50,6 +50,11 @@ def _check(value: Any, tp: Any, where: str, problems: list[str]) -> Any:
                 return out
         problems.append(f"{where}: expected {' or '.join(map(_type_name, options))}, got {value!r}")
         return value
+    if origin is typing.Literal:  # a choice among fixed values
+        options = typing.get_args(tp)
+        if not any(value == o and type(value) is type(o) for o in options):
+            problems.append(f"{where}: expected one of {', '.join(map(repr, options))}, got {value!r}")
+        return value
     if tp is type(None):
         if value is not None:
             problems.append(f"{where}: expected null, got {value!r}")

@@ -25,7 +25,7 @@ from typing import Any
 import yaml
 
 from learnroute.bench import BenchConfig, run_bench
-from learnroute.runs import DTYPE_HELP, atomic_write, prepare_folder, process_state
+from learnroute.runs import DTYPE_HELP, Dtype, atomic_write, prepare_folder, process_state
 from learnroute.config import to_dict
 from learnroute.route import Route, RouteError
 
@@ -53,7 +53,7 @@ class PlacementConfig:
         default=False, metadata={"help": "end an answer once its score can no longer change (bench's option)"}
     )
     longbench_dir: str | None = field(default=None, metadata={"help": "folder of LongBench JSONL files"})
-    dtype: str = field(default="float32", metadata={"help": DTYPE_HELP})
+    dtype: Dtype = field(default="float32", metadata={"help": DTYPE_HELP})
     device: str = field(
         default="auto", metadata={"help": "auto (CUDA when available) | cpu | cuda (refused without CUDA)"}
     )
@@ -187,7 +187,7 @@ def histogram(scores: list[float], given: float, full: float | None, path: Path)
 def run_placement(config: PlacementConfig, overwrite: bool = False, *, prefills=None) -> Path:
     """Draw placements, evaluate them through the bench, and report the given route's rank
     (``prefills``: a :class:`~learnroute.engine.PrefillStore` shared with other stages)."""
-    from learnroute.summary import AVG, aggregate, load_rows
+    from learnroute.report import AVG, aggregate, load_rows
 
     out = Path(config.output)
     given = Route.from_file(config.route)

@@ -28,15 +28,16 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+import typing
+from typing import Any, Literal
 
 import torch
 
 from learnroute.config import to_dict
 from learnroute.methods.budgets import allocate_shares, resolve_budget
 from learnroute.methods.registry import METHODS
-from learnroute.route import LayerRoute, Route, RouteError, budget_problem
-from learnroute.runs import DTYPE_HELP, device_problem, dtype_problem
+from learnroute.route import Granularity, LayerRoute, Route, RouteError, budget_problem
+from learnroute.runs import DTYPE_HELP, Dtype, device_problem, dtype_problem
 from learnroute.tasks.ruler import Sample
 from learnroute.tasks.suite import calibration_problems, load_tasks
 
@@ -54,8 +55,9 @@ CANDIDATES = [
     "lava",
     "random",
 ]
-DAMAGES = ("kl", "nll")
-GRANULARITY = ("layer", "head")
+Damage = Literal["kl", "nll"]
+DAMAGES = typing.get_args(Damage)
+GRANULARITY = typing.get_args(Granularity)
 
 
 @dataclass
@@ -70,15 +72,15 @@ class ProfileConfig:
     context_tokens: int = field(default=2048, metadata={"help": "context length of the samples (tokens)"})
     budgets: list[Budget] = field(default_factory=lambda: [64], metadata={"help": "budgets to profile"})
     methods: list[str] = field(default_factory=lambda: list(CANDIDATES), metadata={"help": "candidate methods"})
-    select_by: str = field(default="kl", metadata={"help": "damage used to pick methods: kl or nll"})
-    granularity: str = field(
+    select_by: Damage = field(default="kl", metadata={"help": "damage used to pick methods: kl or nll"})
+    granularity: Granularity = field(
         default="layer",
         metadata={"help": "layer: compress one layer per cell | head: one KV head of one layer per cell "
                           "(H_kv times the cells; per-head routes)"},
     )
     query_aware: bool = field(default=False, metadata={"help": "put the question in the prefill (scored)"})
     seed: int = field(default=0, metadata={"help": "seed of the calibration sample stream"})
-    dtype: str = field(default="float32", metadata={"help": DTYPE_HELP})
+    dtype: Dtype = field(default="float32", metadata={"help": DTYPE_HELP})
     device: str = field(
         default="auto", metadata={"help": "auto (CUDA when available) | cpu | cuda (refused without CUDA)"}
     )
@@ -255,26 +257,7 @@ def _packed_cells(
     cell = torch.arange(R, device=dev).repeat_interleave(t)  # (R*t,) cell of each packed token
     step = torch.arange(t, device=dev).repeat(R)  # (R*t,) position inside its cell
     own = (cell[:, None] == cell[None, :]) & (step[None, :] <= step[:, None])  # (R*t, R*t) causal per cell
-    if head is None:
-        k = rows[0].shape[-1]
-        gidx = torch.cat(rows).unsqueeze(-1).expand(-1, -1, -1, d)  # (R, H_kv, k, d)
-        # (R, H_kv, k, d) -> (1, H_kv, R*k, d): cell r's kept tokens are keys r*k .. r*k+k-1
-        kept_k = cap.keys.expand(R, -1, -1, -1).gather(2, gidx).transpose(0, 1).reshape(1, h_kv, R * k, d)
-        kept_v = cap.values.expand(R, -1, -1, -1).gather(2, gidx).transpose(0, 1).reshape(1, h_kv, R * k, d)
-        ctx_kept = cell[:, None] == torch.arange(R, device=dev).repeat_interleave(k)[None, :]  # (R*t, R*k)
-        mask_layer = torch.cat([ctx_kept, own], 1)[None, None]  # (1, 1, R*t, R*k + R*t)
-    else:
-        kept_k = cap.keys.repeat(1, 1, R, 1)  # (1, H_kv, R*n, d): cell r's context is keys r*n .. r*n+n-1
-        kept_v = cap.values.repeat(1, 1, R, 1)
-        same = cell[:, None] == torch.arange(R, device=dev).repeat_interleave(n)[None, :]  # (R*t, R*n)
-        kept = torch.zeros(R, n, dtype=torch.bool, device=dev)  # (R, n): what ``head`` keeps per cell
-        for r, idx in enumerate(rows):
-            kept[r, idx[0, head]] = True
-        h_q = int(_hf.text_config(model).num_attention_heads)
-        group = h_q // h_kv  # query heads per KV head (GQA)
-        ctx = same[None].repeat(h_q, 1, 1)  # (H_q, R*t, R*n)
-        ctx[head * group : (head + 1) * group] &= kept.reshape(1, 1, R * n)
-        mask_layer = torch.cat([ctx, own[None].expand(h_q, -1, -1)], 2)[None]  # (1, H_q, R*t, R*n + R*t)
+    kept_k, kept_v, mask_layer = _compressed_layer(model, cap, rows, cell, own, head)
     kv = []
     for j, (keys, values) in enumerate(full_kv):
         if j < layer:
@@ -318,6 +301,37 @@ def _packed_cells(
             masks=lambda i: mask_layer if i == layer else upper_mask(i),
         )  # (1, R*a, V)
     return logits.view(R, keep.stop - keep.start, -1)  # (R, a, V)
+
+
+def _compressed_layer(model, cap, rows: list[torch.Tensor], cell: torch.Tensor, own: torch.Tensor, head: int | None):
+    """:func:`_packed_cells`' compressed layer for R packed cells: its keys and values
+    (1, H_kv, ., d) and its attention mask (``cell``: the cell of each packed token; ``own``
+    (R*t, R*t): causal within a cell)."""
+    from learnroute import _hf
+
+    R, dev = len(rows), cell.device
+    _, h_kv, n, d = cap.keys.shape
+    if head is None:
+        k = rows[0].shape[-1]
+        gidx = torch.cat(rows).unsqueeze(-1).expand(-1, -1, -1, d)  # (R, H_kv, k, d)
+        # (R, H_kv, k, d) -> (1, H_kv, R*k, d): cell r's kept tokens are keys r*k .. r*k+k-1
+        kept_k = cap.keys.expand(R, -1, -1, -1).gather(2, gidx).transpose(0, 1).reshape(1, h_kv, R * k, d)
+        kept_v = cap.values.expand(R, -1, -1, -1).gather(2, gidx).transpose(0, 1).reshape(1, h_kv, R * k, d)
+        ctx_kept = cell[:, None] == torch.arange(R, device=dev).repeat_interleave(k)[None, :]  # (R*t, R*k)
+        mask_layer = torch.cat([ctx_kept, own], 1)[None, None]  # (1, 1, R*t, R*k + R*t)
+    else:
+        kept_k = cap.keys.repeat(1, 1, R, 1)  # (1, H_kv, R*n, d): cell r's context is keys r*n .. r*n+n-1
+        kept_v = cap.values.repeat(1, 1, R, 1)
+        same = cell[:, None] == torch.arange(R, device=dev).repeat_interleave(n)[None, :]  # (R*t, R*n)
+        kept = torch.zeros(R, n, dtype=torch.bool, device=dev)  # (R, n): what ``head`` keeps per cell
+        for r, idx in enumerate(rows):
+            kept[r, idx[0, head]] = True
+        h_q = int(_hf.text_config(model).num_attention_heads)
+        group = h_q // h_kv  # query heads per KV head (GQA)
+        ctx = same[None].repeat(h_q, 1, 1)  # (H_q, R*t, R*n)
+        ctx[head * group : (head + 1) * group] &= kept.reshape(1, 1, R * n)
+        mask_layer = torch.cat([ctx, own[None].expand(h_q, -1, -1)], 2)[None]  # (1, H_q, R*t, R*n + R*t)
+    return kept_k, kept_v, mask_layer
 
 
 # ---------------------------------------------------------------------------- routes from a profile

@@ -30,7 +30,7 @@ import tempfile
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -43,6 +43,7 @@ ADAKV_SAFEGUARD = 0.20  # Ada-KV's floor per head, as a fraction of the layer's 
 READABLE = ("learnroute.route/1", SCHEMA)  # version 1: per-layer entries only
 # a per-head route's layer totals: part of its learned shape (learn) or kept from a per-layer
 # route when it is rescaled (fixed: two-stage routes, a TrainConfig's layer_totals)
+Granularity = Literal["layer", "head"]  # gates (and profile cells) per layer or per (layer, KV head)
 LAYER_TOTALS = ("learn", "fixed")
 Budget = int | float
 

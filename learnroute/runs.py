@@ -3,6 +3,9 @@ JSONL files appended atomically so killed runs resume."""
 
 from __future__ import annotations
 
+import typing
+from typing import Literal
+
 import fcntl
 import json
 import os
@@ -25,7 +28,8 @@ _RESUME_FREE = ("output", "wandb", "wandb_project", "max_batch", "max_padding", 
                 "prefill_cache_gib")
 DEVICES = ("auto", "cpu", "cuda")
 # The model dtypes a run may load in (``dtype`` of every config; gates and adapters stay float32).
-DTYPES = ("float32", "bfloat16")
+Dtype = Literal["float32", "bfloat16"]
+DTYPES = typing.get_args(Dtype)
 DTYPE_HELP = "float32 | bfloat16: the model's weights and activations (bfloat16 halves the KV cache; answers can differ)"
 
 

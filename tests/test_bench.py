@@ -17,7 +17,7 @@ from learnroute.bench import BenchConfig, run_bench
 from learnroute.runs import read_jsonl
 from learnroute.cli import main
 from learnroute.config import ConfigError, load_config
-from learnroute.summary import summarize
+from learnroute.report import summarize
 
 ROUTES = ["full", "homogeneous:snapkv", "pyramid:tova", "homogeneous:streaming_llm"]
 

@@ -113,3 +113,28 @@ def test_unknown_keys_and_invalid_values_come_in_one_error():
     msg = str(e.value)
     for part in ["'foo'", "steps must be >= 1, got -3", "budgets: ", "1.5", "lr: expected a number"]:
         assert part in msg, (part, msg)
+
+
+def test_choice_fields_are_typed_and_every_bad_choice_is_listed_in_one_error():
+    """A field whose annotation is a Literal accepts only its values; the error names each
+    bad field with its valid values, beside the other problems."""
+    import typing
+
+    from learnroute.config import from_dict
+    from learnroute.gates.config import TrainConfig
+    from learnroute.gates.gates import LEARN, MIXING
+    from learnroute.gates.topk import RELAXATIONS
+    from learnroute.route import LAYER_TOTALS
+
+    with pytest.raises(ConfigError) as e:
+        from_dict(TrainConfig, {"granularity": "block", "dtype": "fp16", "learn": "all", "steps": -1})
+    msg = str(e.value)
+    assert "granularity: expected one of 'layer', 'head', got 'block'" in msg
+    assert "dtype: expected one of 'float32', 'bfloat16', got 'fp16'" in msg
+    assert "learn: expected one of 'both', 'methods', 'budgets', 'none', got 'all'" in msg
+    assert "steps must be >= 1" in msg
+    # the annotations are the values the code runs with
+    hints = typing.get_type_hints(TrainConfig)
+    assert typing.get_args(hints["learn"]) == LEARN and typing.get_args(hints["mixing"]) == MIXING
+    assert set(typing.get_args(hints["relaxation"])) == set(RELAXATIONS)
+    assert typing.get_args(hints["layer_totals"]) == LAYER_TOTALS

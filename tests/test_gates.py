@@ -589,8 +589,8 @@ def test_bad_train_config_is_one_error_before_any_model_loads(tmp_path):
         )
     msg = str(e.value)
     for part in ("'nosuch' cannot be a gate candidate (unknown)", "'critical_snapkv' cannot be a gate candidate",
-                 "'full' cannot", "budgets is empty", "steps must be >= 1", "mixing must be one of score, mask",
-                 "relaxation must be one of", "learn=budgets keeps the methods fixed"):
+                 "'full' cannot", "budgets is empty", "steps must be >= 1", "mixing: expected one of 'score', 'mask', got 'blend'",
+                 "relaxation: expected one of 'sigmoid', 'sinkhorn'", "learn=budgets keeps the methods fixed"):
         assert part in msg, part
     with pytest.raises(ConfigError, match="not below context_tokens"):
         load_config(T.TrainConfig, overrides=["budgets=[4096]", "context_tokens=1024"])

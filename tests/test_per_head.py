@@ -445,7 +445,7 @@ def test_granularity_problems_are_named(tmp_path):
     from learnroute.config import ConfigError, from_dict
     from learnroute.gates.config import TrainConfig
 
-    with pytest.raises(ConfigError, match="granularity must be one of layer, head"):
+    with pytest.raises(ConfigError, match="granularity: expected one of 'layer', 'head', got 'kv'"):
         from_dict(TrainConfig, {"granularity": "kv"})
     with pytest.raises(ConfigError, match=r"head_spread=1.5 limits per-head budgets: it needs granularity: head"):
         from_dict(TrainConfig, {"granularity": "layer", "head_spread": 1.5})
@@ -456,7 +456,7 @@ def test_granularity_problems_are_named(tmp_path):
     assert not frozen.per_head_gates
     with pytest.raises(ConfigError, match="layer_totals=fixed keeps per-layer budgets .* needs granularity: head"):
         from_dict(TrainConfig, {"granularity": "layer", "layer_totals": "fixed"})
-    with pytest.raises(ConfigError, match="layer_totals must be one of learn, fixed"):
+    with pytest.raises(ConfigError, match="layer_totals: expected one of 'learn', 'fixed'"):
         from_dict(TrainConfig, {"granularity": "head", "layer_totals": "frozen"})
     ada = Route.adakv("snapkv", 4, 0.2).to_file(tmp_path / "a.json")
     with pytest.raises(ConfigError, match="shares layer budgets across heads"):

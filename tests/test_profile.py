@@ -192,7 +192,7 @@ def test_profile_bad_input():
     with pytest.raises(ConfigError) as e:
         load_config(ProfileConfig, None, ["methods=[snapkv, nope]", "select_by=loss", "tasks={longbench/trec: 2}"])
     msg = str(e.value)
-    assert "unknown candidate method 'nope'" in msg and "select_by must be one of kl, nll" in msg
+    assert "unknown candidate method 'nope'" in msg and "select_by: expected one of 'kl', 'nll', got 'loss'" in msg
     assert "LongBench is evaluation data only" in msg
 
 
@@ -200,7 +200,7 @@ def test_placement_study_ranks_the_given_route(tiny_dir, tmp_path):
     from learnroute.runs import read_jsonl
     from learnroute.cli import main
     from learnroute.placement import draw_placements, n_distinct_placements
-    from learnroute.summary import summarize
+    from learnroute.report import summarize
 
     route = lr.Route.from_layers(["snapkv", "snapkv", "knorm", "streaming_llm"], 32, model="tiny", source="test")
     placements = draw_placements(route, 100, seed=3)
@@ -331,7 +331,7 @@ def test_head_profile_gives_per_head_routes(tiny_dir, tmp_path):
     assert sum(budgets) / len(budgets) == pytest.approx(0.2)
     sens = [min(r) for r in rows]  # the most sensitive head gets the most
     assert budgets[max(range(len(sens)), key=sens.__getitem__)] == max(budgets)
-    with pytest.raises(ConfigError, match="granularity must be one of layer, head"):
+    with pytest.raises(ConfigError, match="granularity: expected one of 'layer', 'head', got 'kv'"):
         _profile_config(tmp_path, tiny_dir, granularity="kv")
 
 

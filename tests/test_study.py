@@ -9,7 +9,7 @@ import pytest
 import torch
 import yaml
 
-from learnroute.stats import paired
+from learnroute.report import paired
 from learnroute.study import analysis as A
 from learnroute.study import config as C
 from learnroute.study import recipe as R
@@ -23,7 +23,7 @@ from tests.conftest import PER_LAYER
 
 
 def mean_difference(a: dict, b: dict) -> tuple[int, float]:
-    """Plain python, not learnroute.stats: the samples both routes answered, and the mean of
+    """Plain python, not learnroute.report: the samples both routes answered, and the mean of
     their per-sample differences (what a paired difference's point estimate is)."""
     both = sorted(a.keys() & b.keys())
     return len(both), sum(a[k] - b[k] for k in both) / len(both)

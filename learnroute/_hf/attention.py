@@ -99,22 +99,35 @@ def _layer_mask(
             allowed &= (kv - q + i) - j < window
         attention_mask = allowed[None, None]  # (1, 1, q, kv)
     if padding is not None:
-        valid, pad_end = padding
-        j = torch.arange(kv, device=query.device)  # (kv,)
-        if valid.dim() == 1:
-            hidden = (j >= valid.unsqueeze(1)) & (j < pad_end)  # (B, kv): each row's padding slots
-            attention_mask = attention_mask & ~hidden[:, None, None, :]  # (B, 1, q, kv)
-        else:  # per KV head; query heads h_q * H_kv / H_q .. share KV head h (GQA grouping)
-            hidden = (j >= valid.unsqueeze(-1)) & (j < pad_end)  # (B, H_kv, kv)
-            hidden = hidden.repeat_interleave(query.shape[1] // valid.shape[1], dim=1)  # (B, H_q, kv)
-            attention_mask = attention_mask & ~hidden[:, :, None, :]  # (B, H_q, q, kv)
+        attention_mask = _hide_padding(attention_mask, padding, query, kv)
     if bias is None:
         if eager and attention_mask.dtype == torch.bool:
             return torch.zeros_like(attention_mask, dtype=query.dtype).masked_fill(
                 ~attention_mask, torch.finfo(query.dtype).min
             )
         return attention_mask
-    # Additive bias on the first n_ctx keys (the cached context), for every query.
+    return _add_bias(attention_mask, bias, query, q, kv)
+
+
+def _hide_padding(attention_mask: torch.Tensor, padding: tuple[torch.Tensor, int], query: torch.Tensor,
+                  kv: int) -> torch.Tensor:
+    """``attention_mask`` (bool) with each row's (or row's KV head's) padding slots hidden
+    (see :func:`_layer_mask`)."""
+    valid, pad_end = padding
+    j = torch.arange(kv, device=query.device)  # (kv,)
+    if valid.dim() == 1:
+        hidden = (j >= valid.unsqueeze(1)) & (j < pad_end)  # (B, kv): each row's padding slots
+        attention_mask = attention_mask & ~hidden[:, None, None, :]  # (B, 1, q, kv)
+    else:  # per KV head; query heads h_q * H_kv / H_q .. share KV head h (GQA grouping)
+        hidden = (j >= valid.unsqueeze(-1)) & (j < pad_end)  # (B, H_kv, kv)
+        hidden = hidden.repeat_interleave(query.shape[1] // valid.shape[1], dim=1)  # (B, H_q, kv)
+        attention_mask = attention_mask & ~hidden[:, :, None, :]  # (B, H_q, q, kv)
+    return attention_mask
+
+
+def _add_bias(attention_mask: torch.Tensor, bias: torch.Tensor, query: torch.Tensor, q: int, kv: int) -> torch.Tensor:
+    """The additive mask with ``bias`` (B, H_kv or H_q, n_ctx) on the first n_ctx keys (the
+    cached context), for every query: (B, H_q, q, kv)."""
     if attention_mask.dtype == torch.bool:
         attention_mask = torch.zeros_like(attention_mask, dtype=query.dtype).masked_fill(
             ~attention_mask, torch.finfo(query.dtype).min

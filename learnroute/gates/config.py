@@ -6,24 +6,32 @@ the adapter co-training, export), so they import it one way.
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass, field, replace
+from typing import Literal
 
 from learnroute import adapter as _adapter
 from learnroute.gates.gates import LAYER_TOTALS, LEARN, MIXING
 from learnroute.gates.topk import RELAXATIONS
 from learnroute.methods.registry import METHODS
-from learnroute.route import Route, RouteError, budget_problem
-from learnroute.runs import DTYPE_HELP, device_problem, dtype_problem
+from learnroute.route import Granularity, Route, RouteError, budget_problem
+from learnroute.runs import DTYPE_HELP, Dtype, device_problem, dtype_problem
 from learnroute.tasks.ruler import TASKS
 from learnroute.tasks.suite import calibration_problems
 
 Budget = int | float
 CANDIDATES = ["snapkv", "streaming_llm", "h2o", "tova", "knorm", "expected_attention", "keydiff", "lava"]
-SELECT = ("best_val", "last")
-GRANULARITY = ("layer", "head")
+Select = Literal["best_val", "last"]
+Stages = Literal["auto", "one", "two"]
+Learn = Literal["both", "methods", "budgets", "none"]  # none: frozen gates (a fixed route; an adapter trains)
+Mixing = Literal["score", "mask"]
+Relaxation = Literal["sigmoid", "sinkhorn"]
+LayerTotals = Literal["learn", "fixed"]
+SELECT = typing.get_args(Select)
+GRANULARITY = typing.get_args(Granularity)
 SEED_SUFFIX = "_seed"  # <name>_seed<k>: a run of optimisation seed k (`train --seeds`, a study's `seeds`)
 SEED_FIELD = "{seed}"  # in init_route: the optimisation seed, so that `train --seeds` chains a first stage's seeds
-STAGES = ("auto", "one", "two")
+STAGES = typing.get_args(Stages)
 # From this context length on, `stages: auto` trains the recommended recipe in two stages
 # (per-layer budgets, then their split over each layer's KV heads): at 4096 tokens two
 # stages beat one out of family at 6, 10 and 35 % kept and tied it in family, on the eval
@@ -66,19 +74,19 @@ class TrainConfig:
         default=0.25, metadata={"help": "share of calibration samples held out to pick the step (0 = none)"}
     )
     methods: list[str] = field(default_factory=lambda: list(CANDIDATES), metadata={"help": "candidate methods"})
-    learn: str = field(default="budgets", metadata={"help": "both | methods | budgets (methods fixed at init)"})
-    granularity: str = field(
+    learn: Learn = field(default="budgets", metadata={"help": "both | methods | budgets (methods fixed at init)"})
+    granularity: Granularity = field(
         default="head",
         metadata={"help": "layer: one gate (π and budget share) per layer | head: one per (layer, KV head), "
                           "exported as a per-head route (every registered method scores per KV head)"},
     )
-    mixing: str = field(default="score", metadata={"help": "score: mix ranks then soft top-k; mask: mix soft masks"})
-    relaxation: str = field(default="sigmoid", metadata={"help": "differentiable top-k: sigmoid | sinkhorn"})
+    mixing: Mixing = field(default="score", metadata={"help": "score: mix ranks then soft top-k; mask: mix soft masks"})
+    relaxation: Relaxation = field(default="sigmoid", metadata={"help": "differentiable top-k: sigmoid | sinkhorn"})
     budgets: list[Budget] = field(
         default_factory=lambda: [0.075, 0.1, 0.15, 0.2, 0.4],
         metadata={"help": "mean budgets, one drawn per step (tokens per KV head or fractions); one = per-budget"},
     )
-    stages: str = field(
+    stages: Stages = field(
         default="auto",
         metadata={"help": "one | two | auto. two: first per-layer budgets (into <output>/first_stage), then "
                           "per-head budgets that keep its layer totals (layer_totals fixed, starting from its "
@@ -107,7 +115,7 @@ class TrainConfig:
         default_factory=lambda: [0.5, 0.05],
         metadata={"help": "soft top-k temperature [start, end], in units of topk_scale"},
     )
-    topk_scale: str = field(
+    topk_scale: Literal["budget", "rank"] = field(
         default="budget",
         metadata={"help": "budget: temperature x the layer's kept fraction k_l/n (as sharp at 5 tokens as at 500); "
                   "rank: in rank units (ranks are in [0, 1])"},
@@ -134,7 +142,7 @@ class TrainConfig:
                           "(the excess goes to the layer's other heads), so the padded cache allocates at most "
                           "this times the tokens kept; null = no limit"},
     )
-    layer_totals: str = field(
+    layer_totals: LayerTotals = field(
         default="learn",
         metadata={"help": "granularity head: learn | fixed. fixed keeps each layer's share of the budget at its "
                           "start (init_route's budget shape, else uniform) and learns only how the layer splits "
@@ -175,10 +183,10 @@ class TrainConfig:
     # --- end adapter
     eps: float = field(default=1e-6, metadata={"help": "the bias is log(mask + eps)"})
     eval_every: int = field(default=15, metadata={"help": "evaluate the hardened route on validation every N steps"})
-    select: str = field(default="best_val", metadata={"help": "best_val: export the best validated step; last"})
+    select: Select = field(default="best_val", metadata={"help": "best_val: export the best validated step; last"})
     save_every: int = field(default=50, metadata={"help": "checkpoint every N steps"})
     query_aware: bool = field(default=False, metadata={"help": "put the question in the prefill (scored)"})
-    dtype: str = field(default="float32", metadata={"help": DTYPE_HELP})
+    dtype: Dtype = field(default="float32", metadata={"help": DTYPE_HELP})
     device: str = field(default="auto", metadata={"help": "auto | cpu | cuda"})
     output: str = field(default="runs/train/default", metadata={"help": "run folder"})
     wandb: bool = field(default=False, metadata={"help": "log to Weights & Biases (offline without network)"})

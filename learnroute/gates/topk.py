@@ -275,6 +275,15 @@ def sinkhorn_topk(
             t0 = scores.detach().double().mean(-1)
         t0 = t0.to(scores.dtype)  # (...,)
 
+    mask = _sinkhorn_mask(scores, t0, k_safe, eps, iters, init)  # (..., n)
+    full = (k_c >= n).unsqueeze(-1).to(mask.dtype).expand_as(mask)
+    return torch.where(interior.unsqueeze(-1), mask, full).to(dtype)
+
+
+def _sinkhorn_mask(scores: Tensor, t0: Tensor, k_safe: Tensor, eps: Tensor, iters: int, init: str) -> Tensor:
+    """:func:`sinkhorn_topk`'s iterations: the mask ``n * Gamma[:, 1]`` (..., n) of the
+    entropic plan from scores (..., n) to the anchors {0, 1}, duals started at ``t0`` (...,)."""
+    n = scores.shape[-1]
     # The literal cost [s^2, (s-1)^2] differs from [0, -2 (s - t0)] by a per-row constant (s^2) and a
     # per-column constant (1 - 2 t0); Sinkhorn's duals absorb both, so the plan Gamma is identical.
     # Centring at t0 keeps float32 exact near the threshold for raw-scale scores (no s^2 ~ 1e6 terms).
@@ -296,8 +305,7 @@ def sinkhorn_topk(
     # A final row normalisation: n * Gamma_i1 = softmax_j((g_j - C_ij)/eps)[1], which lies in [0, 1]
     # by construction; the column marginal (the sum) is exact up to the Sinkhorn residual.
     mask = torch.softmax((g.unsqueeze(-2) - cost) / eps, dim=-1)[..., 1]  # (..., n)
-    full = (k_c >= n).unsqueeze(-1).to(mask.dtype).expand_as(mask)
-    return torch.where(interior.unsqueeze(-1), mask, full).to(dtype)
+    return mask
 
 
 # --------------------------------------------------------------------------------------------

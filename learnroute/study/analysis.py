@@ -13,7 +13,7 @@ from learnroute.config import from_dict, to_dict
 from learnroute.methods import get_method
 from learnroute.route import Route
 from learnroute.runs import atomic_write
-from learnroute.stats import VALID_FULL, best_homogeneous, paired, pooled, sample_scores, solved_tasks
+from learnroute.report import VALID_FULL, best_homogeneous, paired, pooled, sample_scores, solved_tasks
 from learnroute.study.config import CONTROL_KINDS, CONTROLS, START, Budget, StudyConfig, route_name, safe_name
 from learnroute.study.manifest import RouteEntry, build_manifest, read_manifest
 from learnroute.study.render import plot_routes, plot_scores, to_markdown
@@ -227,7 +227,7 @@ def analyze(folder: str | Path, rescore: bool = False, main_variant: str | None 
 
     import yaml
 
-    from learnroute.summary import load_rows
+    from learnroute.report import load_rows
 
     folder = Path(folder)
     config = from_dict(StudyConfig, yaml.safe_load((folder / "config.yaml").read_text()) or {})

@@ -13,7 +13,7 @@ from typing import Any
 from learnroute.config import ConfigError, from_dict
 from learnroute.gates.config import CANDIDATES, SEED_SUFFIX, TrainConfig
 from learnroute.route import Route, budget_problem
-from learnroute.runs import DTYPE_HELP, device_problem, dtype_problem
+from learnroute.runs import DTYPE_HELP, Dtype, device_problem, dtype_problem
 from learnroute.tasks.suite import check_tasks
 
 
@@ -124,7 +124,7 @@ class StudyConfig:
                           "Each process (rank) keeps its own, on top of what its stage needs: at 4k a bench "
                           "rank peaked at 9.2 GiB with 1 GiB kept, and two ranks with 4 GiB each ran out of 24 GiB"},
     )
-    dtype: str = field(default="float32", metadata={"help": DTYPE_HELP})
+    dtype: Dtype = field(default="float32", metadata={"help": DTYPE_HELP})
     device: str = field(
         default="auto",
         metadata={"help": "every stage's device: auto (CUDA when available) | cpu | cuda (refused without CUDA); "

@@ -12,7 +12,7 @@ from learnroute.config import from_dict
 from learnroute.gates.config import TrainConfig
 from learnroute.methods import get_method
 from learnroute.route import Route
-from learnroute.stats import best_homogeneous, sample_scores, solved_tasks
+from learnroute.report import best_homogeneous, sample_scores, solved_tasks
 from learnroute.study.analysis import analyze, family_split
 from learnroute.study.config import (
     CONTROLS,
@@ -210,7 +210,7 @@ class _Stages:
         all eval samples, and in- and out-of-family apart), on the same eval samples, into
         ``bench_<protocol>_controls/``."""
         from learnroute.bench import run_bench
-        from learnroute.summary import load_rows
+        from learnroute.report import load_rows
 
         config = self.config
         rows = load_rows(self.out / f"bench_{protocol}")

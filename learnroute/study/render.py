@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from learnroute.route import Route
-from learnroute.stats import VALID_FULL
+from learnroute.report import VALID_FULL
 from learnroute.study.config import CONTROL_KINDS, route_name
 
 
@@ -200,28 +200,7 @@ def to_markdown(result: dict[str, Any], main: str) -> str:
                 + f" | {'n/a' if gap is None else f'{100 * gap:.0f} %'} |"
             )
         lines += _budget_step_lines(res, main)
-        lines += ["", "Every route's average (x100) per budget:", ""]
-        routes = sorted({r for e in res["budgets"] for r in e["avg"]})
-        lines.append("| route | " + " | ".join(str(e["budget"]) for e in res["budgets"]) + " |")
-        lines.append("|---|" + "---|" * len(res["budgets"]))
-        for r in routes:
-            cells = [f"{100 * e['avg'][r]:.1f}" if r in e["avg"] else "" for e in res["budgets"]]
-            lines.append(f"| {r} | " + " | ".join(cells) + " |")
-        if any(e.get("by_task") for e in res["budgets"]):
-            lines += ["", "Per task (x100; every task, also those left out of the averages; best homogeneous: "
-                      "the best on average at that budget):", ""]
-            lines.append("| task (full cache) | route | " + " | ".join(str(e["budget"]) for e in res["budgets"]) + " |")
-            lines.append("|---|---|" + "---|" * len(res["budgets"]))
-            for t in sorted(res["full_by_task"]):
-                for i, (label, key) in enumerate(((main, main), ("best homogeneous", None),
-                                                  ("profile", "profile"), ("profile_alloc", "profile_alloc"))):
-                    cells = []
-                    for e in res["budgets"]:
-                        r = e["best_homogeneous"] if key is None else key
-                        v = e.get("by_task", {}).get(r, {}).get(t)
-                        cells.append("" if v is None else f"{100 * v:.1f}")
-                    head = f"{t} ({100 * res['full_by_task'][t]:.1f})" if i == 0 else ""
-                    lines.append(f"| {head} | {label} | " + " | ".join(cells) + " |")
+        lines += _average_lines(res) + _task_lines(res, main)
         variants = sorted({v for e in res["budgets"] for v in e.get("variants_vs_main", {})})
         if variants:
             lines += ["", f"Q6, each variant minus `{main}` (paired, x100):", ""]
@@ -248,6 +227,40 @@ def to_markdown(result: dict[str, Any], main: str) -> str:
             "",
         ]
     return "\n".join(lines)
+
+
+def _average_lines(res: dict[str, Any]) -> list[str]:
+    """Every route's average (x100) per budget (markdown lines)."""
+    lines: list[str] = []
+    lines += ["", "Every route's average (x100) per budget:", ""]
+    routes = sorted({r for e in res["budgets"] for r in e["avg"]})
+    lines.append("| route | " + " | ".join(str(e["budget"]) for e in res["budgets"]) + " |")
+    lines.append("|---|" + "---|" * len(res["budgets"]))
+    for r in routes:
+        cells = [f"{100 * e['avg'][r]:.1f}" if r in e["avg"] else "" for e in res["budgets"]]
+        lines.append(f"| {r} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _task_lines(res: dict[str, Any], main: str) -> list[str]:
+    """Per task, the main route, the best homogeneous and the profile routes (markdown lines)."""
+    lines: list[str] = []
+    if any(e.get("by_task") for e in res["budgets"]):
+        lines += ["", "Per task (x100; every task, also those left out of the averages; best homogeneous: "
+                  "the best on average at that budget):", ""]
+        lines.append("| task (full cache) | route | " + " | ".join(str(e["budget"]) for e in res["budgets"]) + " |")
+        lines.append("|---|---|" + "---|" * len(res["budgets"]))
+        for t in sorted(res["full_by_task"]):
+            for i, (label, key) in enumerate(((main, main), ("best homogeneous", None),
+                                              ("profile", "profile"), ("profile_alloc", "profile_alloc"))):
+                cells = []
+                for e in res["budgets"]:
+                    r = e["best_homogeneous"] if key is None else key
+                    v = e.get("by_task", {}).get(r, {}).get(t)
+                    cells.append("" if v is None else f"{100 * v:.1f}")
+                head = f"{t} ({100 * res['full_by_task'][t]:.1f})" if i == 0 else ""
+                lines.append(f"| {head} | {label} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def _seed_lines(res: dict[str, Any], main: str, where: str = "") -> list[str]:
