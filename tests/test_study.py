@@ -324,6 +324,33 @@ def test_study_pins_per_budget_routes_and_protocol_budgets(study):
     assert trained["budgets"] == [0.25, 40, 0.5]
 
 
+def test_report_rescore_recomputes_a_changed_prediction_from_the_references(study, tmp_path):
+    """A copy of the study with one of the main route's wrong predictions replaced by the
+    sample's answers (its stored score left as it was): ``report --rescore`` scores it 1
+    from samples.jsonl, and the route's average at that budget rises by (1 - old) / n."""
+    import shutil
+
+    copy = tmp_path / "study"
+    shutil.copytree(study.out, copy)
+    path = copy / "bench_agnostic" / "results.jsonl"
+    rows = read_jsonl(path)
+    answers = {r["id"]: r["answers"] for r in read_jsonl(copy / "bench_agnostic" / "samples.jsonl")}
+    first = study.result["protocols"]["agnostic"]["budgets"][0]
+    valid = set(study.result["protocols"]["agnostic"]["valid_tasks"]) or {r["task"] for r in rows}
+    mine = [j for j, r in enumerate(rows) if r["route"].endswith("/learned.json") and r["budget"] == 0.25
+            and r["task"] in valid]
+    i = next(j for j in mine if rows[j]["score"] < 1)
+    old = rows[i]["score"]
+    rows[i]["prediction"] = " ".join(answers[rows[i]["sample_id"]])  # the stored score untouched
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["report", str(copy)]) == 0  # without --rescore: the stored scores
+    kept = json.loads((copy / "study.json").read_text())["protocols"]["agnostic"]["budgets"][0]["avg"]["learned"]
+    assert kept == pytest.approx(first["avg"]["learned"])
+    assert main(["report", str(copy), "--rescore"]) == 0
+    got = json.loads((copy / "study.json").read_text())["protocols"]["agnostic"]["budgets"][0]["avg"]["learned"]
+    assert got == pytest.approx(kept + (1 - old) / len(mine))
+
+
 def test_study_run_again_redoes_nothing_and_the_report_rescores_to_the_same_answers(study, monkeypatch, capsys):
     from learnroute.engine import Engine
     from learnroute.gates import train as T
