@@ -8,6 +8,13 @@ everything at once: unknown keys, wrong types and missing files come back as one
 Override values are parsed as YAML, so ``budgets=[64,0.25]``, ``query_aware=true`` and
 ``tasks={niah_single_2: 4}`` work; dotted keys (``tasks.niah_single_2=4``) set one entry
 of a mapping field.
+
+A config with many fields names groups of them (``GROUPS``: group -> its keys, e.g.
+TrainConfig's ``data``, ``gates``, ``loss``, ``optimiser``, ``lora``, ``run``). A YAML file may
+write the keys inside their groups (``optimiser: {lr: 0.03, steps: 150}``) or flat
+(``lr: 0.03``), and an override may name the group (``optimiser.lr=0.1``) or not
+(``lr=0.1``); the config object itself is flat (``config.lr``), so a run folder's
+resolved ``config.yaml`` reads the same either way.
 """
 
 from __future__ import annotations
@@ -94,6 +101,53 @@ def _check(value: Any, tp: Any, where: str, problems: list[str]) -> Any:
     raise TypeError(f"config field type {tp!r} is not supported")  # a programming error, not user input
 
 
+def groups_of(cls: type) -> dict[str, tuple[str, ...]]:
+    """``cls``'s groups of keys (group -> field names), or none."""
+    return dict(getattr(cls, "GROUPS", {}) or {})
+
+
+def flatten_groups(cls: type, data: dict[str, Any], where: str = "") -> tuple[dict[str, Any], list[str]]:
+    """``data`` with every group's keys lifted to the top (``{"optimiser": {"lr": 0.1}}`` ->
+    ``{"lr": 0.1}``), and the problems: a group that is not a mapping, a key inside the
+    wrong group, a key given twice. Keys outside any group pass through (unknown ones are
+    reported by :func:`from_dict`). ``where`` prefixes the problems (a study's ``train.``)."""
+    groups = groups_of(cls)
+    if not groups:
+        return dict(data), []
+    owner = {name: g for g, names in groups.items() for name in names}
+    flat: dict[str, Any] = {}
+    given: dict[str, str] = {}  # key -> how it was given, for the "twice" message
+    problems = []
+    for key, value in data.items():
+        if key not in groups:
+            entries = [(key, value, key)]
+        elif not isinstance(value, dict):
+            problems.append(f"{where}{key}: the group of {', '.join(groups[key])}; expected a mapping, got {value!r}")
+            continue
+        else:
+            entries = [(k, v, f"{key}.{k}") for k, v in value.items()]
+            for k, _, _ in entries:
+                if k not in groups[key]:
+                    elsewhere = f" ({k} belongs to {owner[k]})" if k in owner else ""
+                    problems.append(f"{where}{key}.{k}: not a key of {key}{elsewhere}; its keys: "
+                                    f"{', '.join(groups[key])}")
+            entries = [e for e in entries if e[0] in groups[key]]
+        for k, v, how in entries:
+            if k in given:
+                problems.append(f"{where}{k} is given twice ({given[k]} and {how}); keep one")
+            flat[k], given[k] = v, how
+    return flat, problems
+
+
+def _ungroup_override(cls: type, item: str) -> str:
+    """``optimiser.lr=0.1`` -> ``lr=0.1`` for a key of that group (``tasks.x=4`` stays)."""
+    key, sep, raw = item.partition("=")
+    group, dot, rest = key.partition(".")
+    if sep and dot and rest.split(".")[0] in groups_of(cls).get(group, ()):
+        return f"{rest}={raw}"
+    return item
+
+
 def apply_overrides(data: dict[str, Any], items: list[str]) -> list[str]:
     """Apply ``key=value`` items to ``data`` in order; returns the malformed ones as problems.
 
@@ -143,14 +197,23 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
             if not isinstance(loaded, dict):
                 problems.append(f"config file {p} must hold a mapping of keys to values, got {type(loaded).__name__}")
                 loaded = {}
+            loaded, grouping = flatten_groups(cls, loaded)  # checked within the file, before the defaults
+            problems += grouping
             data.update(loaded)
-    problems += apply_overrides(data, overrides or [])
+    problems += apply_overrides(data, [_ungroup_override(cls, o) for o in overrides or []])
+    # A whole group given as an override (optimiser={lr: 0.1}) wins over the file and defaults.
+    grouped = {k: data.pop(k) for k in list(data) if k in groups_of(cls)}
+    lifted, grouping = flatten_groups(cls, grouped)
+    problems += grouping
+    data.update(lifted)
     return from_dict(cls, data, problems)
 
 
 def from_dict(cls: type[T], data: dict[str, Any], problems: list[str] | None = None) -> T:
     """Check ``data`` against ``cls``'s fields and build it (one error listing all problems)."""
     problems = list(problems or [])
+    data, grouping = flatten_groups(cls, data)
+    problems += [p for p in grouping if p not in problems]
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(data) - set(fields))
@@ -186,10 +249,21 @@ def to_dict(config: Any) -> dict[str, Any]:
 
 def describe(cls: type) -> str:
     """One line per field: name, type, default and help; ``learnroute VERB --help`` shows it
-    after the options (config keys for YAML or ``key=value`` overrides)."""
+    after the options (config keys for YAML or ``key=value`` overrides), under its group's
+    name where the config has groups."""
     hints = typing.get_type_hints(cls)
-    lines = []
-    for f in dataclasses.fields(cls):
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+
+    def line(name: str, indent: str) -> str:
+        f = fields[name]
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-        lines.append(f"  {f.name} ({_type_name(hints[f.name])}, default {default!r}): {f.metadata.get('help', '')}")
+        return f"{indent}{name} ({_type_name(hints[name])}, default {default!r}): {f.metadata.get('help', '')}"
+
+    groups = groups_of(cls)
+    if not groups:
+        return "\n".join(line(name, "  ") for name in fields)
+    lines = []
+    for group, names in groups.items():
+        lines.append(f"  {group}:")
+        lines += [line(name, "    ") for name in names]
     return "\n".join(lines)

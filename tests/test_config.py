@@ -138,3 +138,59 @@ def test_choice_fields_are_typed_and_every_bad_choice_is_listed_in_one_error():
     assert typing.get_args(hints["learn"]) == LEARN and typing.get_args(hints["mixing"]) == MIXING
     assert set(typing.get_args(hints["relaxation"])) == set(RELAXATIONS)
     assert typing.get_args(hints["layer_totals"]) == LAYER_TOTALS
+
+
+def test_grouped_keys_load_as_the_flat_ones_and_overrides_name_either(tmp_path):
+    """A YAML file may nest TrainConfig's keys in their groups; the config is the one the
+    flat file gives, and an override may name the group or not (the later one wins)."""
+    from learnroute.gates.config import TrainConfig
+
+    grouped, flat = tmp_path / "grouped.yaml", tmp_path / "flat.yaml"
+    grouped.write_text("optimiser: {lr: 0.1, steps: 3}\ngates: {learn: both}\ndata: {context_tokens: 512}\n")
+    flat.write_text("lr: 0.1\nsteps: 3\nlearn: both\ncontext_tokens: 512\n")
+    a, b = load_config(TrainConfig, grouped), load_config(TrainConfig, flat)
+    assert a == b and (a.lr, a.steps, a.learn, a.context_tokens) == (0.1, 3, "both", 512)
+    c = load_config(TrainConfig, grouped, ["optimiser.lr=0.2", "steps=4", "data.tasks.niah_single_1=2"])
+    assert (c.lr, c.steps, c.tasks["niah_single_1"]) == (0.2, 4, 2)
+    assert c.tasks["niah_multikey"] == 6  # a dotted key edits one entry of the default mapping
+    assert load_config(TrainConfig, flat, ["optimiser={lr: 0.7}"]).lr == 0.7
+
+
+def test_grouping_mistakes_are_listed_in_one_error(tmp_path):
+    from learnroute.gates.config import TrainConfig
+
+    path = tmp_path / "bad.yaml"
+    path.write_text("optimiser: {lr: 0.1, foo: 1, learn: both}\nlr: 0.3\nloss: 5\nsteps: -1\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(TrainConfig, path)
+    msg = str(e.value)
+    assert "optimiser.foo: not a key of optimiser; its keys: steps, batch_size, lr" in msg
+    assert "optimiser.learn: not a key of optimiser (learn belongs to gates)" in msg
+    assert "lr is given twice (optimiser.lr and lr); keep one" in msg
+    assert "loss: the group of ce_weight, kl_weight" in msg and "expected a mapping, got 5" in msg
+    assert "steps must be >= 1" in msg
+
+
+def test_every_field_of_a_grouped_config_is_in_exactly_one_group():
+    import dataclasses
+
+    from learnroute.config import describe
+    from learnroute.gates.config import TrainConfig
+    from learnroute.study.config import StudyConfig
+
+    for cls in (TrainConfig, StudyConfig):
+        grouped = [name for names in cls.GROUPS.values() for name in names]
+        assert sorted(grouped) == sorted(f.name for f in dataclasses.fields(cls)), cls.__name__
+        assert not set(cls.GROUPS) & set(grouped)  # a group is never also a key
+        text = describe(cls)
+        assert all(f"\n  {g}:\n" in f"\n{text}\n" for g in cls.GROUPS)  # --help lists the keys by group
+
+
+def test_a_study_variant_may_nest_train_keys_in_their_groups():
+    from learnroute.study.config import StudyConfig
+
+    s = load_config(StudyConfig, None, ["train={optimiser: {lr: 0.5}, steps: 3}",
+                                        "variants={learned: {optimiser: {lr: 0.1}, gates: {learn: both}}}"])
+    assert s.train == {"lr": 0.5, "steps": 3} and s.variants == {"learned": {"lr": 0.1, "learn": "both"}}
+    with pytest.raises(ConfigError, match=r"variants.learned.optimiser.learn: not a key of optimiser"):
+        load_config(StudyConfig, None, ["variants={learned: {optimiser: {learn: both}}}"])

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import typing
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import ClassVar, Literal
 
 from learnroute import adapter as _adapter
 from learnroute.gates.gates import LAYER_TOTALS, LEARN, MIXING
@@ -48,8 +48,22 @@ class TrainConfig:
     The defaults are the recommended recipe (docs/results.md): per-head budgets learned
     over keydiff from uniform budgets, lr 0.03, 150 steps, one route for five budgets, and
     ``stages: auto`` (two stages from :data:`TWO_STAGES_FROM_TOKENS` context tokens on).
-    ``configs/train/default.yaml`` writes the same values out.
+    ``configs/train/default.yaml`` writes the same values out, in the groups below.
     """
+
+    # The keys by what they set; a YAML file may nest them so (``optimiser: {lr: 0.03}``).
+    GROUPS: ClassVar[dict[str, tuple[str, ...]]] = {
+        "data": ("model", "tasks", "context_tokens", "seed", "val_tasks", "val_fraction", "stream", "stream_pool",
+                 "query_aware"),
+        "gates": ("methods", "learn", "granularity", "budgets", "stages", "layer_totals", "init_route",
+                  "init_method", "init_logit", "init_pi", "budget_floor", "head_spread", "mixing", "relaxation",
+                  "gate_temperature", "topk_temperature", "topk_scale", "gumbel", "straight_through", "eps"),
+        "loss": ("ce_weight", "kl_weight", "first_token_weight", "entropy_weight", "uniform_weight"),
+        "optimiser": ("steps", "batch_size", "lr", "weight_decay", "train_seed", "eval_every", "select",
+                      "save_every"),
+        "lora": ("adapter", "lora_rank", "lora_alpha", "lora_targets", "adapter_lr"),
+        "run": ("dtype", "device", "output", "wandb", "wandb_project"),
+    }
 
     model: str | None = field(default=None, metadata={"help": "HF model folder or hub id; null = bundled SmolLM2"})
     tasks: dict[str, int] = field(

@@ -8,9 +8,9 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import mean
-from typing import Any
+from typing import Any, ClassVar
 
-from learnroute.config import ConfigError, from_dict
+from learnroute.config import ConfigError, flatten_groups, from_dict
 from learnroute.gates.config import CANDIDATES, SEED_SUFFIX, TrainConfig
 from learnroute.route import Route, budget_problem
 from learnroute.runs import DTYPE_HELP, Dtype, device_problem, dtype_problem
@@ -29,6 +29,18 @@ STUDY_OWNED = ("model", "tasks", "context_tokens", "seed", "methods", "output", 
 @dataclass
 class StudyConfig:
     """The study: calibration and eval tasks, budgets, variants, placements."""
+
+    # The keys by what they set; a YAML file may nest them so (``samples: {eval_seed: 1}``).
+    GROUPS: ClassVar[dict[str, tuple[str, ...]]] = {
+        "samples": ("model", "context_tokens", "calibration", "calibration_seed", "eval_tasks", "heldout",
+                    "eval_seed"),
+        "baselines": ("budgets", "aware_budgets", "protocols", "methods", "pyramid", "profile_budget",
+                      "profile_all_budgets"),
+        "learning": ("train", "variants", "main_variant", "mixture_of", "seeds", "imported_routes", "per_budget"),
+        "placement": ("placements", "placement_budget", "placement_variant"),
+        "answers": ("bootstrap", "max_new_tokens", "stop_at_final_score"),
+        "run": ("prefill_cache_gib", "dtype", "device", "output"),
+    }
 
     model: str | None = field(default=None, metadata={"help": "HF model folder or hub id; null = bundled SmolLM2"})
     context_tokens: int = field(default=1024, metadata={"help": "context length of every sample (tokens)"})
@@ -131,6 +143,20 @@ class StudyConfig:
                           "train.device or a variant's device overrides it for training"},
     )
     output: str = field(default="runs/study/default", metadata={"help": "study folder"})
+
+    def __post_init__(self) -> None:
+        # train and each variant may nest TrainConfig's keys in its groups; the study merges
+        # them flat (a variant's optimiser.lr over train's lr)
+        problems: list[str] = []
+        self.train, found = flatten_groups(TrainConfig, dict(self.train or {}), "train.")
+        problems += found
+        variants = {}
+        for name, over in self.variants.items():
+            variants[name], found = flatten_groups(TrainConfig, dict(over or {}), f"variants.{name}.")
+            problems += found
+        self.variants = variants
+        if problems:
+            raise ValueError("\n  ".join(problems))
 
     def validate(self) -> list[str]:
         problems = []
