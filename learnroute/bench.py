@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from learnroute.budget_routes import BudgetRoutes, load_route_file
 from learnroute.methods.registry import METHODS
 from learnroute.route import Route, RouteError, budget_problem, parse_budget
 from learnroute.runs import (
@@ -129,6 +130,7 @@ class BenchConfig:
             problems.append(p)
         if (p := dtype_problem(self.dtype)) is not None:
             problems.append(p)
+        problems += _budget_routes_problems(self)
         return problems
 
 
@@ -163,12 +165,39 @@ def route_spec_problems(spec: str) -> list[str]:
     problems = []
     for p in paths:
         try:
-            route = Route.from_file(p)
+            found = load_route_file(p)
         except RouteError as e:
             problems.append(str(e))
             continue
-        if route.adapter_path is not None and not route.adapter_path.is_dir():
-            problems.append(f"route file {p} names adapter folder {route.adapter_path}, which does not exist")
+        for route in found.routes if isinstance(found, BudgetRoutes) else [found]:
+            if route.adapter_path is not None and not route.adapter_path.is_dir():
+                problems.append(f"route file {p} names adapter folder {route.adapter_path}, which does not exist")
+                break
+    return problems
+
+
+def _budget_routes_problems(config: BenchConfig) -> list[str]:
+    """Budgets a budget-conditional route file cannot answer (outside the budgets it holds,
+    with ``outside: error``), before any model loads."""
+    problems = []
+    for spec in config.routes:
+        if spec == "full" or spec.partition(":")[0] in ("homogeneous", "pyramid", "adakv"):
+            continue
+        try:
+            spec, pin = pinned(spec)
+        except ValueError:
+            continue  # route_spec_problems says so
+        for p in sorted(glob.glob(spec)):
+            try:
+                found = load_route_file(p)
+            except RouteError:
+                continue  # route_spec_problems says so
+            if isinstance(found, BudgetRoutes) and config.route_file_budgets != "file":
+                for b in [pin] if pin is not None else config.budgets:
+                    try:
+                        found.at(b)
+                    except RouteError as e:
+                        problems.append(str(e))
     return problems
 
 
@@ -213,13 +242,17 @@ def resolve_routes(config: BenchConfig, n_layers: int, model: str) -> list[Cell]
         else:
             spec, pin = pinned(spec)
             for path in sorted(glob.glob(spec)):
-                route = Route.from_file(path)
+                route = load_route_file(path)
                 try:
                     route.check_layers(n_layers, f"model {model}")
                 except RouteError as e:
                     problems.append(f"{path}: {e}")
                     continue
-                if pin is not None:
+                if isinstance(route, BudgetRoutes):  # the allocation for each budget (file: those it holds)
+                    asked = [pin] if pin is not None else (
+                        route.budgets if config.route_file_budgets == "file" else config.budgets)
+                    cells += [Cell(path, b, route.at(b)) for b in asked]
+                elif pin is not None:
                     cells.append(Cell(path, pin, route.rescaled(pin)))
                 elif config.route_file_budgets == "file":
                     cells.append(Cell(path, nominal_budget(route), route))

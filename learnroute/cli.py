@@ -13,6 +13,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("answer a long-context question with the full cache and three routes", "learnroute.demo:main"),
     "show": ("print a route file as a per-layer table", "learnroute.route_cli:show"),
     "reshape": ("floor, cap or flatten a route file's budgets after the fact", "learnroute.route_cli:reshape"),
+    "combine": ("one budget-conditional route file from routes made for one budget each", "learnroute.route_cli:combine"),
     "bench": ("evaluate routes x budgets x tasks into a run folder", "learnroute.commands:bench"),
     "profile": ("per-layer damage profile on calibration data -> profile-guided routes", "learnroute.commands:profile"),
     "placement": ("rank a route among random placements of its methods", "learnroute.commands:placement"),

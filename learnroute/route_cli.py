@@ -1,24 +1,45 @@
 """``learnroute show``: print a route file as a per-layer table; ``learnroute reshape``: floor,
-cap or flatten a route file's budgets after the fact."""
+cap or flatten a route file's budgets after the fact; ``learnroute combine``: one
+budget-conditional route file from routes made for one budget each."""
 
 from __future__ import annotations
 
 import argparse
 import os
 
-from learnroute.route import Route, RouteError
+from learnroute.budget_routes import BudgetRoutes, combine as combine_routes, load_route_file
+from learnroute.route import Route, RouteError, parse_budget
 
 
 def show(argv: list[str]) -> int:
-    """Print a route file: model, provenance, per-layer method and budget, method counts."""
+    """Print a route file: model, provenance, per-layer method and budget, method counts; a
+    budget-conditional file, each allocation it holds (or, with --budget, the route it gives
+    for that budget)."""
     parser = argparse.ArgumentParser(prog="learnroute show", description=show.__doc__)
     parser.add_argument("route", help="route JSON file")
+    parser.add_argument("--budget", type=parse_budget, help="a budget-conditional file: the route for this budget")
     args = parser.parse_args(argv)
     try:
-        route = Route.from_file(args.route)
+        found = load_route_file(args.route)
+        if isinstance(found, BudgetRoutes):
+            if args.budget is None:
+                print(f"route {args.route}: budget-conditional, allocations for {found.budgets} "
+                      f"(outside them: {found.outside})")
+                for b, route in zip(found.budgets, found.routes):
+                    print(f"\n@{b}:")
+                    _print_route(args.route, route)
+                return 0
+            found = found.at(args.budget)
+        elif args.budget is not None:
+            found = found.rescaled(args.budget)
     except RouteError as e:
         parser.exit(2, f"learnroute show: error: {e}\n")
-    print(f"route {args.route}: {route.describe()}  model={route.model}  n_layers={route.n_layers}")
+    _print_route(args.route, found)
+    return 0
+
+
+def _print_route(name: str, route: Route) -> int:
+    print(f"route {name}: {route.describe()}  model={route.model}  n_layers={route.n_layers}")
     if route.provenance:
         print("provenance: " + ", ".join(f"{k}={v}" for k, v in route.provenance.items()))
     if route.is_per_head:  # a layers x KV heads grid of method@budget
@@ -60,4 +81,31 @@ def reshape(argv: list[str]) -> int:
         parser.exit(2, f"learnroute reshape: error: {e}\n")
     route.to_file(args.out)
     print(f"wrote {args.out}: {route.describe()}")
+    return 0
+
+
+def combine(argv: list[str]) -> int:
+    """Write one budget-conditional route file from route files made for one budget each
+    (``FILE@BUDGET``, or FILE at its mean budget): the bench and ``show --budget`` then pick
+    each budget's own allocation, interpolating between them (:mod:`learnroute.budget_routes`)."""
+    parser = argparse.ArgumentParser(prog="learnroute combine", description=combine.__doc__)
+    parser.add_argument("routes", nargs="+", help="route files, FILE@BUDGET to name the budget each was made for")
+    parser.add_argument("--out", required=True, help="where to write the combined file (must not exist)")
+    parser.add_argument("--outside", choices=("error", "clamp"), default="error",
+                        help="a budget outside those held: an error (default), or the nearest allocation rescaled")
+    args = parser.parse_args(argv)
+    if os.path.exists(args.out):
+        parser.exit(2, f"learnroute combine: error: {args.out} exists; choose another --out (nothing is overwritten)\n")
+    routes, budgets = [], []
+    try:
+        for spec in args.routes:
+            path, sep, tail = spec.rpartition("@")
+            path, budget = (path, parse_budget(tail)) if sep and path else (spec, None)
+            routes.append(Route.from_file(path))
+            budgets.append(budget if budget is not None else round(sum(routes[-1].budgets) / routes[-1].n_layers, 6))
+        made = combine_routes(routes, budgets, args.outside)
+    except (RouteError, ValueError) as e:
+        parser.exit(2, f"learnroute combine: error: {e}\n")
+    made.to_file(args.out)
+    print(f"wrote {args.out}: allocations for {made.budgets} (outside them: {made.outside})")
     return 0
