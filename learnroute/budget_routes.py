@@ -196,6 +196,15 @@ def load_route_file(path: str | os.PathLike) -> Route | BudgetRoutes:
     return Route.from_file(path)
 
 
+def route_at(path: str | os.PathLike, budget: Budget | None = None) -> Route:
+    """The route a file gives at ``budget``: a plain route file's route (rescaled to it when
+    given), or a budget-conditional file's allocation for it (without a budget: its first)."""
+    found = load_route_file(path)
+    if isinstance(found, BudgetRoutes):
+        return found.routes[0] if budget is None else found.at(budget)
+    return found if budget is None else found.rescaled(budget)
+
+
 def combine(routes: list[Route], budgets: list[Budget] | None = None, outside: str = "error") -> BudgetRoutes:
     """One budget-conditional route from routes each made for one budget (``budgets``, or
     each route's mean budget), sorted by budget."""

@@ -228,6 +228,9 @@ def export(argv: list[str]) -> int:
     parser.add_argument("--mixture", action="store_true", help="keep π as per-layer mixture weights")
     parser.add_argument("--temperature", type=float, help="π temperature of a mixture (default: the final one)")
     parser.add_argument("--model", help="refuse the checkpoint unless it was trained on this model name")
+    parser.add_argument("--per-budget", action="store_true",
+                        help="write a budget-conditional route file: the hardened route at each training budget "
+                             "(a budget_slope run learns one allocation per budget)")
     parser.add_argument("--start", action="store_true",
                         help="write the run's untrained start instead (its initial gates, hardened): the "
                              "control to bench beside the trained route")
@@ -239,7 +242,7 @@ def export(argv: list[str]) -> int:
             route = export_start(args.source, args.out, budget=args.budget, model=args.model)
         else:
             route = export_cli(args.source, args.out, budget=args.budget, mixture=args.mixture,
-                               temperature=args.temperature, model=args.model)
+                               temperature=args.temperature, model=args.model, per_budget=args.per_budget)
     except (ConfigError, RouteError, FileNotFoundError, ValueError) as e:
         parser.exit(2, f"learnroute export: error: {e}\n")
     print(f"wrote {args.out}: {route.describe()}", file=sys.stderr)

@@ -109,3 +109,63 @@ def test_combine_writes_a_file_the_bench_and_show_read(tmp_path, capsys):
     assert "snapkv" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["combine", str(tmp_path / "r10.json"), "--out", str(out)])  # never overwritten
+
+
+# ---------------------------------------------------------------------------- budget_slope training
+
+
+def test_budget_slope_shares_are_beta_plus_the_slope_times_the_log_budget_ratio():
+    import torch
+
+    from learnroute.gates.gates import Gates
+
+    gates = Gates(["tova", "knorm"], [True, True, False, True], learn="both", budget_slope=True, ref_budget=0.2)
+    assert torch.allclose(gates.shares(0.05), gates.shares(0.4))  # a zero slope: one allocation at every budget
+    with torch.no_grad():
+        gates.beta.copy_(torch.tensor([0.1, -0.3, 0.0, 0.5]))
+        gates.beta_slope.copy_(torch.tensor([1.0, -2.0, 0.0, 0.5]))
+    s = math.log(0.05 / 0.2)
+    free = [0, 1, 3]
+    logits = [[0.1, -0.3, 0.0, 0.5][u] + s * [1.0, -2.0, 0.0, 0.5][u] for u in free]
+    want = [math.exp(x) / sum(math.exp(y) for y in logits) for x in logits]
+    got = gates.shares(0.05).detach()
+    assert got[free].tolist() == pytest.approx(want) and float(got[2]) == 0.0  # fixed layer: no share
+    assert len(gates.trainable()) == 3
+    assert Gates(["tova"], [True], learn="both").beta_slope is None
+
+
+def test_budget_slope_config_needs_learned_budgets_and_fractions():
+    from learnroute.gates.config import TrainConfig
+
+    with pytest.raises(ConfigError, match="budget_slope .* needs learn budgets or both, not 'methods'"):
+        load_config(TrainConfig, None, ["budget_slope=true", "learn=methods", "init_method=null"])
+    with pytest.raises(ConfigError, match=r"budget_slope needs two or more fraction budgets .* got \[64, 128\]"):
+        load_config(TrainConfig, None, ["budget_slope=true", "budgets=[64,128]", "context_tokens=1024"])
+    assert load_config(TrainConfig, None, ["budget_slope=true"]).ref_budget == pytest.approx(
+        math.exp(sum(math.log(b) for b in (0.075, 0.1, 0.15, 0.2, 0.4)) / 5))
+
+
+def test_a_budget_slope_run_exports_one_allocation_per_training_budget(tiny_dir, tmp_path):
+    """Trained with budget_slope, the gates learn a slope (the allocations at 0.2 and 0.4 are
+    shaped differently), route_by_budget.json holds the hardened route at each training
+    budget, route.json stays the plain route at the first, and `export --per-budget` writes
+    the same file again."""
+    from learnroute.gates.checkpoint import load_gates
+    from tests.conftest import PER_LAYER
+    from tests.test_gates import write_config
+
+    over = {**PER_LAYER, "budget_slope": True, "budgets": [0.2, 0.4], "steps": 4, "lr": 0.3, "save_every": 4}
+    assert main(["train", "--config", str(write_config(tmp_path, tiny_dir, **over))]) == 0
+    run = tmp_path / "run"
+    tensors, _ = load_gates(run / "gates.safetensors")
+    assert float(tensors["beta_slope"].abs().max()) > 0  # the slope trained away from 0
+    assert "opt.beta_slope.exp_avg" in load_gates(next((run / "checkpoints").glob("*.safetensors")))[0]  # resumable
+    family = load_route_file(run / "route_by_budget.json")
+    assert isinstance(family, BudgetRoutes) and family.budgets == [0.2, 0.4]
+    low, high = family.routes
+    assert sum(low.budgets) / 4 == pytest.approx(0.2, abs=1e-6) and sum(high.budgets) / 4 == pytest.approx(0.4, abs=1e-6)
+    assert per_layer(low) == pytest.approx(per_layer(Route.from_file(run / "route.json")))
+    assert per_layer(high) != pytest.approx(per_layer(low.rescaled(0.4)), abs=1e-4)  # its own shape, not a stretch
+    again = tmp_path / "again.json"
+    assert main(["export", str(run), "--out", str(again), "--per-budget"]) == 0
+    assert [per_layer(r) for r in load_route_file(again).routes] == [per_layer(r) for r in family.routes]

@@ -25,7 +25,14 @@ def checkpoint_meta(config: TrainConfig, model_name: str, n_layers: int, n_heads
         "budget_floor": json.dumps(config.budget_floor),
         "head_spread": json.dumps(config.head_spread),
         "layer_totals": config.layer_totals,
+        "ref_budget": json.dumps(config.ref_budget),
     }
+
+
+def gate_params(gates: Gates) -> list[tuple[str, torch.nn.Parameter]]:
+    """The gates' parameters by their checkpoint names (beta_slope where it exists)."""
+    named = [("theta", gates.theta), ("beta", gates.beta), ("beta_slope", gates.beta_slope)]
+    return [(name, p) for name, p in named if p is not None]
 
 
 def save_gates(
@@ -37,12 +44,14 @@ def save_gates(
 
     tensors = {"theta": gates.theta.detach().cpu().contiguous(), "beta": gates.beta.detach().cpu().contiguous()}
     tensors["free"] = gates.free.to(torch.int8).cpu()
+    if gates.beta_slope is not None:  # budget_slope: the shares' slope in log-budget
+        tensors["beta_slope"] = gates.beta_slope.detach().cpu().contiguous()
     if gates.layer_shares is not None:  # fixed layer totals: shares() needs them to rebuild the budgets
         tensors["layer_shares"] = gates.layer_shares.detach().cpu().contiguous()
     if adapter is not None:  # cotrain.AdapterTraining: LoRA weights (and their AdamW state)
         tensors.update(adapter.tensors(optimizer))
     if optimizer is not None:
-        for name, p in (("theta", gates.theta), ("beta", gates.beta)):
+        for name, p in gate_params(gates):
             for key, value in optimizer.state.get(p, {}).items():
                 tensors[f"opt.{name}.{key}"] = value.detach().cpu().reshape(value.shape).contiguous()
     meta = {**meta, **{k: json.dumps(v) for k, v in (extra or {}).items()}}

@@ -6,6 +6,7 @@ the adapter co-training, export), so they import it one way.
 
 from __future__ import annotations
 
+import math
 import typing
 from dataclasses import dataclass, field, replace
 from typing import ClassVar, Literal
@@ -56,7 +57,8 @@ class TrainConfig:
         "data": ("model", "tasks", "context_tokens", "seed", "val_tasks", "val_fraction", "stream", "stream_pool",
                  "query_aware"),
         "gates": ("methods", "learn", "granularity", "budgets", "stages", "layer_totals", "init_route",
-                  "init_method", "init_logit", "init_pi", "budget_floor", "head_spread", "mixing", "relaxation",
+                  "init_method", "init_logit", "init_pi", "budget_floor", "head_spread", "budget_slope", "mixing",
+                  "relaxation",
                   "gate_temperature", "topk_temperature", "topk_scale", "gumbel", "straight_through", "eps"),
         "loss": ("ce_weight", "kl_weight", "first_token_weight", "entropy_weight", "uniform_weight"),
         "optimiser": ("steps", "batch_size", "lr", "weight_decay", "train_seed", "eval_every", "select",
@@ -150,6 +152,12 @@ class TrainConfig:
         default=0.1, metadata={"help": "final share of steps with straight-through one-hot π (0 = none)"}
     )
     budget_floor: float = field(default=0.05, metadata={"help": "every layer keeps at least this share of the mean"})
+    budget_slope: bool = field(
+        default=False,
+        metadata={"help": "budget shares affine in log-budget (logits beta + log(b / b_ref) * beta', the slope "
+                          "learned from 0): each training budget gets its own allocation, validated as such, and "
+                          "export writes a budget-conditional route (route_by_budget.json; fraction budgets)"},
+    )
     head_spread: float | None = field(
         default=None,
         metadata={"help": "granularity head: each head keeps at most this times its layer's mean head budget "
@@ -259,6 +267,13 @@ class TrainConfig:
                     problems.append(f"init_route uses methods {missing} that are not candidates {self.methods}")
         return problems
 
+    @property
+    def ref_budget(self) -> float:
+        """The budget at which ``budget_slope`` leaves the shares as beta says: the geometric
+        mean of the training budgets (fractions)."""
+        fractions = [b for b in self.budgets if isinstance(b, float) and b > 0] or [0.1]
+        return float(math.exp(sum(math.log(b) for b in fractions) / len(fractions)))
+
     def validate(self) -> list[str]:
         """Problems that need no model."""
         problems = []
@@ -288,6 +303,13 @@ class TrainConfig:
                     f"budgets: {b} tokens per KV head is not below context_tokens ({self.context_tokens}): "
                     "nothing would be evicted"
                 )
+        if self.budget_slope:
+            if self.learn not in ("both", "budgets"):
+                problems.append(f"budget_slope learns how the budget shares move with the budget: it needs learn "
+                                f"budgets or both, not {self.learn!r}")
+            if any(not isinstance(b, float) for b in self.budgets) or len(set(self.budgets)) < 2:
+                problems.append(f"budget_slope needs two or more fraction budgets (e.g. [0.1, 0.2, 0.4]), got "
+                                f"{self.budgets}")
         if self.topk_scale not in ("budget", "rank"):
             problems.append(f"topk_scale must be 'budget' or 'rank', got {self.topk_scale!r}")
         for name in ("gate_temperature", "topk_temperature"):

@@ -44,10 +44,13 @@ def gates_from_checkpoint(
         return cotrain.build_fixed_gates(config, model, n_layers, free), meta
     gates = Gates(config.methods, free, learn="both", budget_floor=json.loads(meta.get("budget_floor", "0.05")),
                   n_heads=gate_heads(meta), head_spread=json.loads(meta.get("head_spread", "null")),
-                  layer_totals=meta.get("layer_totals", "learn"))
+                  layer_totals=meta.get("layer_totals", "learn"), budget_slope="beta_slope" in tensors,
+                  ref_budget=json.loads(meta.get("ref_budget", "0.1")))
     with torch.no_grad():
         gates.theta.copy_(tensors["theta"])
         gates.beta.copy_(tensors["beta"])
+        if gates.beta_slope is not None:
+            gates.beta_slope.copy_(tensors["beta_slope"])
         if gates.layer_shares is not None:
             gates.layer_shares.copy_(tensors["layer_shares"])
     return gates, meta
@@ -192,8 +195,12 @@ def export_cli(
     mixture: bool = False,
     temperature: float | None = None,
     model: str | None = None,
+    per_budget: bool = False,
 ) -> Route:
-    """Load the run's config and checkpoint, check them against each other, write the route."""
+    """Load the run's config and checkpoint, check them against each other, write the route.
+    ``per_budget``: a budget-conditional route file instead (:mod:`learnroute.budget_routes`),
+    the hardened allocation at each training budget (a ``budget_slope`` run's own per
+    budget); the route at the first of them is returned."""
     ckpt, run, config = load_run(source)
     b = None if budget is None else parse_budget(budget)
     if temperature is not None and not temperature > 0:
@@ -205,6 +212,22 @@ def export_cli(
         raise ConfigError(
             f"checkpoint gates have shape {tuple(tensors['theta'].shape)}, expected ({units}, {len(config.methods)})"
         )
+    if per_budget:
+        from learnroute.budget_routes import BudgetRoutes
+
+        if b is not None or mixture:
+            raise ValueError("per_budget writes the hardened route at every training budget: --budget and "
+                             "--mixture do not apply")
+        held = sorted({x for x in config.budgets if isinstance(x, float)})
+        if not held:
+            raise ValueError(f"a budget-conditional route needs fraction budgets; the run trained at {config.budgets}")
+        routes = [export_route(ckpt, config, meta["model"], n_layers, budget=x) for x in held]
+        if cotrain.has_adapter(tensors):
+            first = cotrain.export_adapter(tensors, config, meta["model"], routes[0], out)
+            routes = [first] + [r.with_adapter(first.adapter_path) for r in routes[1:]]
+        BudgetRoutes(held, routes, source=f"route file {out}", provenance={"source": "learned", "run": str(run)}
+                     ).to_file(out)
+        return routes[0]
     route = export_route(ckpt, config, meta["model"], n_layers, budget=b, mixture=mixture, temperature=temperature)
     if cotrain.has_adapter(tensors):
         route = cotrain.export_adapter(tensors, config, meta["model"], route, out)

@@ -26,6 +26,8 @@ learns only how the layer splits it over its heads: ``share_u = s_l · softmax_h
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -80,6 +82,8 @@ class Gates(nn.Module):
         n_heads: int = 1,
         head_spread: float | None = None,
         layer_totals: str = "learn",
+        budget_slope: bool = False,
+        ref_budget: float = 0.1,
     ) -> None:
         super().__init__()
         if learn not in LEARN:
@@ -123,6 +127,11 @@ class Gates(nn.Module):
             beta = torch.tensor(init_shares, dtype=torch.float32).clamp_min(1e-6).log()
         self.theta = nn.Parameter(theta, requires_grad=learn in ("both", "methods"))
         self.beta = nn.Parameter(beta, requires_grad=learn in ("both", "budgets"))
+        # budget_slope: logits beta + log(f / ref_budget) * beta_slope at a kept fraction f,
+        # from a zero slope (every budget starts with the same shares), so that each budget
+        # gets its own allocation (issue 58)
+        self.ref_log = math.log(ref_budget)
+        self.beta_slope = nn.Parameter(torch.zeros(U), requires_grad=self.beta.requires_grad) if budget_slope else None
         self.register_buffer("layer_shares", None)  # (L,) with fixed layer totals
         if layer_totals == "fixed":
             # each free layer's share at the start, the sum of its heads' (uniform without init_shares)
@@ -157,9 +166,17 @@ class Gates(nn.Module):
         """One-hot π (L·H, M) at each unit's argmax method (what hardening keeps)."""
         return torch.nn.functional.one_hot(self.theta.detach().argmax(-1), len(self.methods)).float()
 
-    def shares(self) -> torch.Tensor:
-        """Budget shares (L·H,) over the free units (zero on fixed ones), summing to 1."""
-        return unit_shares(self.beta, self.free_units, self.n_heads, self.layer_shares)
+    def shares(self, fraction: float | None = None) -> torch.Tensor:
+        """Budget shares (L·H,) over the free units (zero on fixed ones), summing to 1; with
+        ``budget_slope``, those for mean kept ``fraction`` (None: the reference budget)."""
+        logits = self.beta
+        if self.beta_slope is not None and fraction is not None:
+            logits = self.beta + (math.log(fraction) - self.ref_log) * self.beta_slope  # (L·H,)
+        return unit_shares(logits, self.free_units, self.n_heads, self.layer_shares)
+
+    def trainable(self) -> list[nn.Parameter]:
+        """The parameters that train (theta, beta, beta_slope as ``learn`` says)."""
+        return [p for p in (self.theta, self.beta, self.beta_slope) if p is not None and p.requires_grad]
 
     def budgets(self, mean_k: float, n: int) -> torch.Tensor:
         """Soft per-unit budgets (L·H,) in tokens for a mean of ``mean_k`` tokens per free
@@ -174,7 +191,8 @@ class Gates(nn.Module):
         k = torch.full_like(self.beta, float(n))  # (L·H,)
         if n_free == 0:
             return k
-        w = unit_weights(self.shares()[free], self.budget_floor, self.n_heads, self.head_spread)  # (U_free,)
+        # the shares at this mean kept fraction (the same at every budget without budget_slope)
+        w = unit_weights(self.shares(mean_k / n)[free], self.budget_floor, self.n_heads, self.head_spread)  # (U_free,)
         if self.layer_shares is not None:  # free units come in whole layers
             grid = w.view(-1, self.n_heads)  # (U_free,) -> (L_free, H)
             filled = layer_first_fill(grid, mean_k * n_free, float(n)).reshape(-1)  # (L_free, H) -> (U_free,)

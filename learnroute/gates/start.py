@@ -76,4 +76,6 @@ def build_gates(config: TrainConfig, n_layers: int, free: list[bool], n_heads: i
         n_heads=n_heads,
         head_spread=config.head_spread,
         layer_totals=config.layer_totals,
+        budget_slope=config.budget_slope,
+        ref_budget=config.ref_budget,
     )

@@ -45,7 +45,7 @@ from learnroute.gates import cotrain
 from learnroute.gates.calibration import (
     STREAM_OFFSET, CalibItem, CalibrationStore, Stream, calibration_items,
 )
-from learnroute.gates.checkpoint import checkpoint_meta, latest_checkpoint, load_gates, save_gates
+from learnroute.gates.checkpoint import checkpoint_meta, gate_params, latest_checkpoint, load_gates, save_gates
 from learnroute.gates.config import (
     CANDIDATES, SEED_FIELD, SEED_SUFFIX, SELECT, TrainConfig, init_route_file, optimisation_seed, stage_configs,
 )
@@ -114,6 +114,8 @@ def validation_routes(gates: Gates, config: TrainConfig, model: str | None = Non
     first training budget (:meth:`Gates.harden`, what ``route.json`` holds), then rescaled
     to each budget as ``bench`` rescales a route file (:meth:`Route.rescaled`)."""
     free = gates.free.tolist()
+    if gates.beta_slope is not None:  # a budget-conditional route: each budget's own allocation
+        return {b: gates.harden(b, config.context_tokens, model=model) for b in config.budgets}
     exported = gates.harden(config.budgets[0], config.context_tokens, model=model)
     return {b: exported.rescaled(b, free) for b in config.budgets}
 
@@ -219,7 +221,7 @@ class _Trainer:
         heads = engine.n_kv_heads if config.per_head_gates else 1  # gates per layer
         self.gates = build_gates(config, engine.n_layers, free, heads).to(run.acc.device)
         self.meta = checkpoint_meta(config, run.name, engine.n_layers, heads)
-        self.params = [p for p in (self.gates.theta, self.gates.beta) if p.requires_grad]
+        self.params = self.gates.trainable()
         groups = [{"params": self.params}] if self.params else []
         self.lora = None
         if config.adapter:  # on for every question/answer pass from here on; the prefills are done
@@ -377,6 +379,8 @@ class _Trainer:
         save_gates(run.out / "gates.safetensors", self.gates, self.meta, extra={"step": run.config.steps}, adapter=self.lora)
         chosen = chosen_checkpoint(run.out, run.config.select)
         export_cli(run.out, run.out / "route.json")
+        if run.config.budget_slope:  # each training budget's own allocation, in one file
+            export_cli(run.out, run.out / "route_by_budget.json", per_budget=True)
         plot_gates(run.out, chosen, run.config)
         run.log.info("exported %s (from %s, validation CE %s)", run.out / "route.json", chosen.name, self.best)
         if self.wb is not None:
@@ -503,7 +507,9 @@ def _resume(ckpt: Path, gates: Gates, optimizer, model: str, n_layers: int, meth
     with torch.no_grad():
         gates.theta.copy_(tensors["theta"])
         gates.beta.copy_(tensors["beta"])
-    for name, p in (("theta", gates.theta), ("beta", gates.beta)):
+        if gates.beta_slope is not None:
+            gates.beta_slope.copy_(tensors["beta_slope"])
+    for name, p in gate_params(gates):
         state = {k.split(".", 2)[2]: v.to(p.device) for k, v in tensors.items() if k.startswith(f"opt.{name}.")}
         if state:
             optimizer.state[p] = state

@@ -15,6 +15,7 @@ from learnroute.route import Route
 from learnroute.runs import atomic_write
 from learnroute.report import VALID_FULL, best_homogeneous, paired, pooled, sample_scores, solved_tasks
 from learnroute.study.config import CONTROL_KINDS, CONTROLS, START, Budget, StudyConfig, route_name, safe_name
+from learnroute.budget_routes import route_at
 from learnroute.study.manifest import RouteEntry, build_manifest, read_manifest
 from learnroute.study.render import plot_routes, plot_scores, to_markdown
 
@@ -287,5 +288,5 @@ def analyze(folder: str | Path, rescore: bool = False, main_variant: str | None 
     routes_file = folder / "routes" / f"{main}.json"
     profile_alloc = folder / "profile" / f"profile_{config.profiled_budget}_alloc.json"
     if routes_file.is_file() and profile_alloc.is_file():
-        plot_routes(Route.from_file(routes_file), Route.from_file(profile_alloc), folder / "routes.png")
+        plot_routes(route_at(routes_file), Route.from_file(profile_alloc), folder / "routes.png")
     return result

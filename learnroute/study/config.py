@@ -12,7 +12,8 @@ from typing import Any, ClassVar
 
 from learnroute.config import ConfigError, flatten_groups, from_dict
 from learnroute.gates.config import CANDIDATES, SEED_SUFFIX, TrainConfig
-from learnroute.route import Route, budget_problem
+from learnroute.budget_routes import load_route_file, route_at
+from learnroute.route import budget_problem
 from learnroute.runs import DTYPE_HELP, Dtype, device_problem, dtype_problem
 from learnroute.tasks.suite import check_tasks
 
@@ -222,7 +223,7 @@ class StudyConfig:
                                 "study's routes/learned_<variant>.json)")
                 continue
             try:
-                Route.from_file(path)
+                load_route_file(path)  # a plain or a budget-conditional route
             except Exception as e:  # a route file's own error says what is wrong in it
                 problems.append(f"imported_routes.{name}: {path} is not a valid route: {e}")
         return problems
@@ -363,7 +364,7 @@ class StudyConfig:
         """The first candidate whose route (exported in ``routes``) has two or more methods."""
         for v in self.placement_candidates:
             path = self.placement_path(routes, v)
-            if path.is_file() and len(set(Route.from_file(path).methods)) > 1:
+            if path.is_file() and len(set(route_at(path).methods)) > 1:
                 return v
         return None
 

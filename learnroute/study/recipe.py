@@ -23,6 +23,7 @@ from learnroute.study.config import (
     is_warm,
     route_name,
 )
+from learnroute.budget_routes import load_route_file, route_at
 from learnroute.study.manifest import build_manifest, read_manifest, write_manifest
 
 
@@ -134,7 +135,8 @@ class _Stages:
             seeded = self.config.seeded_variants()  # no untrained start of their own
             for name, data in variants.items():
                 run = Path(data["output"])
-                export_cli(run, routes / f"{route_name(name)}.json")
+                # a budget_slope variant learned an allocation per budget: all of them, in one file
+                export_cli(run, routes / f"{route_name(name)}.json", per_budget=bool(data.get("budget_slope")))
                 if name in self.config.mixture_of:
                     export_cli(run, routes / f"{route_name(name)}_mixture.json", mixture=True)
                 if is_warm(data) and name not in seeded:  # the control: the variant untrained (once)
@@ -153,7 +155,7 @@ class _Stages:
             # Routes made elsewhere (trained at another length, on other families) travel
             # into the run folder, so that it holds everything its tables were made from.
             for name, path in self.config.imported_routes.items():
-                Route.from_file(path).to_file(routes / f"{IMPORTED}{name}.json")
+                load_route_file(path).to_file(routes / f"{IMPORTED}{name}.json")
         self.state.wait_for_everyone()
         return routes
 
@@ -250,7 +252,7 @@ class _Stages:
                      "placement study (question 4 n/a; placement_variant may name other variants)")
             return
         given = out / "placement_route.json"
-        new = Route.from_file(config.placement_path(routes, chosen)).rescaled(b)
+        new = route_at(config.placement_path(routes, chosen), b)
         if self.first and (not given.is_file() or Route.from_file(given).to_dict() != new.to_dict()):
             new.to_file(given)
         self.state.wait_for_everyone()
