@@ -110,8 +110,9 @@ class BenchConfig:
                 problems.append(f"budgets: {p}")
         if not self.routes:
             problems.append(f"routes is empty; valid forms: {', '.join(ROUTE_KINDS)}")
+        asked = None if self.route_file_budgets == "file" else self.budgets
         for spec in self.routes:
-            problems += route_spec_problems(spec)
+            problems += route_spec_problems(spec, asked)
         problems += check_tasks(dict(self.tasks), "eval", self.longbench_dir)
         for name, n in self.tasks.items():
             if n < 1:
@@ -130,7 +131,6 @@ class BenchConfig:
             problems.append(p)
         if (p := dtype_problem(self.dtype)) is not None:
             problems.append(p)
-        problems += _budget_routes_problems(self)
         return problems
 
 
@@ -146,8 +146,10 @@ def pinned(spec: str) -> tuple[str, Budget | None]:
     return head, parse_budget(tail)  # ValueError says what a budget may be
 
 
-def route_spec_problems(spec: str) -> list[str]:
-    """What is wrong with one route spec (empty list if fine); reads route files."""
+def route_spec_problems(spec: str, budgets: list[Budget] | None = None) -> list[str]:
+    """What is wrong with one route spec (empty list if fine); reads route files. With
+    ``budgets`` (those the bench asks for; None: a file run at its own budgets), a
+    budget-conditional file is also checked to answer each (or its ``@BUDGET``)."""
     kind, sep, method = spec.partition(":")
     if spec == "full":
         return []
@@ -156,7 +158,7 @@ def route_spec_problems(spec: str) -> list[str]:
             return [f"route {spec!r}: unknown method {method!r}; registered: {', '.join(METHODS)}"]
         return []
     try:
-        spec, _ = pinned(spec)
+        spec, pin = pinned(spec)
     except ValueError as e:
         return [f"route {spec!r}: {e}"]
     paths = sorted(glob.glob(spec))
@@ -173,31 +175,13 @@ def route_spec_problems(spec: str) -> list[str]:
             if route.adapter_path is not None and not route.adapter_path.is_dir():
                 problems.append(f"route file {p} names adapter folder {route.adapter_path}, which does not exist")
                 break
-    return problems
-
-
-def _budget_routes_problems(config: BenchConfig) -> list[str]:
-    """Budgets a budget-conditional route file cannot answer (outside the budgets it holds,
-    with ``outside: error``), before any model loads."""
-    problems = []
-    for spec in config.routes:
-        if spec == "full" or spec.partition(":")[0] in ("homogeneous", "pyramid", "adakv"):
-            continue
-        try:
-            spec, pin = pinned(spec)
-        except ValueError:
-            continue  # route_spec_problems says so
-        for p in sorted(glob.glob(spec)):
-            try:
-                found = load_route_file(p)
-            except RouteError:
-                continue  # route_spec_problems says so
-            if isinstance(found, BudgetRoutes) and config.route_file_budgets != "file":
-                for b in [pin] if pin is not None else config.budgets:
-                    try:
-                        found.at(b)
-                    except RouteError as e:
-                        problems.append(str(e))
+        if isinstance(found, BudgetRoutes) and budgets is not None:
+            # a budget outside those it holds (outside: error), before any model loads
+            for b in [pin] if pin is not None else budgets:
+                try:
+                    found.at(b)
+                except RouteError as e:
+                    problems.append(str(e))
     return problems
 
 

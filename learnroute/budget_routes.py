@@ -31,13 +31,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from learnroute.route import Budget, LayerRoute, Route, RouteError
+from learnroute.route import Budget, LayerRoute, Route, RouteError, write_json_file
 
 SCHEMA = "learnroute.budget_routes/1"
 Outside = Literal["error", "clamp"]
@@ -113,8 +112,7 @@ class BudgetRoutes:
 
     def _tag(self, route: Route, budget: Budget, how: str) -> Route:
         prov = {**route.provenance, "budget_routes": {"budget": budget, "how": how, "holds": list(self.budgets)}}
-        return Route(route.layers, model=route.model, provenance=prov, adapter_path=route.adapter_path,
-                     layer_totals=route.layer_totals)
+        return replace(route, provenance=prov)
 
     # ------------------------------------------------------------------ JSON
 
@@ -150,14 +148,7 @@ class BudgetRoutes:
 
     def to_file(self, path: str | os.PathLike) -> Path:
         """Write the file as indented JSON, atomically."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-        with os.fdopen(fd, "w") as f:
-            json.dump(self.to_dict(base=path.parent), f, indent=2)
-            f.write("\n")
-        os.replace(tmp, path)
-        return path
+        return write_json_file(path, lambda base: self.to_dict(base=base))
 
 
 def _interpolate(low: Route, high: Route, w: float) -> Route:
@@ -205,11 +196,11 @@ def route_at(path: str | os.PathLike, budget: Budget | None = None) -> Route:
     return found if budget is None else found.rescaled(budget)
 
 
-def combine(routes: list[Route], budgets: list[Budget] | None = None, outside: str = "error") -> BudgetRoutes:
-    """One budget-conditional route from routes each made for one budget (``budgets``, or
-    each route's mean budget), sorted by budget."""
-    if budgets is None:
-        budgets = [round(sum(r.budgets) / r.n_layers, 6) for r in routes]
+def combine(routes: list[Route], budgets: list[Budget | None] | None = None, outside: str = "error") -> BudgetRoutes:
+    """One budget-conditional route from routes each made for one budget (``budgets``; a
+    route without one, or all of them without ``budgets``: its mean budget), sorted by budget."""
+    budgets = [None] * len(routes) if budgets is None else budgets
+    budgets = [round(sum(r.budgets) / r.n_layers, 6) if b is None else b for r, b in zip(routes, budgets)]
     order = sorted(range(len(routes)), key=lambda i: budgets[i])
     return BudgetRoutes([float(budgets[i]) for i in order], [routes[i] for i in order], outside,
                         provenance={"combined_from": [r.provenance.get("source", "route") for r in routes]})

@@ -28,6 +28,7 @@ import json
 import os
 import tempfile
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -549,11 +550,17 @@ class Route:
 
     def to_file(self, path: str | os.PathLike) -> Path:
         """Write the route as indented JSON (atomically: a crash never leaves half a file)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-        with os.fdopen(fd, "w") as f:
-            json.dump(self.to_dict(base=path.parent), f, indent=2)
-            f.write("\n")
-        os.replace(tmp, path)
-        return path
+        return write_json_file(path, lambda base: self.to_dict(base=base))
+
+
+def write_json_file(path: str | os.PathLike, data: Callable[[Path], Any]) -> Path:
+    """Write ``data(the file's folder)`` (a route file's content, its relative paths made
+    against that folder) as indented JSON, atomically: a crash never leaves half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as f:
+        json.dump(data(path.parent), f, indent=2)
+        f.write("\n")
+    os.replace(tmp, path)
+    return path

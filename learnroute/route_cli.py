@@ -102,7 +102,7 @@ def combine(argv: list[str]) -> int:
             path, sep, tail = spec.rpartition("@")
             path, budget = (path, parse_budget(tail)) if sep and path else (spec, None)
             routes.append(Route.from_file(path))
-            budgets.append(budget if budget is not None else round(sum(routes[-1].budgets) / routes[-1].n_layers, 6))
+            budgets.append(budget)  # None: the route's mean budget (combine)
         made = combine_routes(routes, budgets, args.outside)
     except (RouteError, ValueError) as e:
         parser.exit(2, f"learnroute combine: error: {e}\n")

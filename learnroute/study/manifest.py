@@ -44,7 +44,8 @@ class RouteEntry:
     per_head: bool = False  # trained per KV head (granularity: head)
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if v is not None and v is not False or k in ("name", "kind")}
+        """The entry without its unset fields (None, and per_head when False)."""
+        return {k: v for k, v in asdict(self).items() if v is not None and v is not False}
 
 
 def build_manifest(config: StudyConfig, shared: dict[str, str] | None = None) -> list[RouteEntry]:

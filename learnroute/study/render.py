@@ -231,8 +231,7 @@ def to_markdown(result: dict[str, Any], main: str) -> str:
 
 def _average_lines(res: dict[str, Any]) -> list[str]:
     """Every route's average (x100) per budget (markdown lines)."""
-    lines: list[str] = []
-    lines += ["", "Every route's average (x100) per budget:", ""]
+    lines = ["", "Every route's average (x100) per budget:", ""]
     routes = sorted({r for e in res["budgets"] for r in e["avg"]})
     lines.append("| route | " + " | ".join(str(e["budget"]) for e in res["budgets"]) + " |")
     lines.append("|---|" + "---|" * len(res["budgets"]))
