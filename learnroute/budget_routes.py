@@ -71,9 +71,6 @@ class BudgetRoutes:
             problems.append(f"its allocations disagree in layer or head count ({held})")
         if len({r.model for r in self.routes}) > 1:
             problems.append(f"its allocations are for different models {sorted({str(r.model) for r in self.routes})}")
-        if any(e.share is not None for r in self.routes for e in r.layers):
-            problems.append("an allocation shares a layer's budget by scores (share: adakv); that is per sample, "
-                            "not an allocation")
         if problems:
             raise RouteError(f"{self.source}: " + "; ".join(problems))
 
@@ -158,13 +155,13 @@ def _interpolate(low: Route, high: Route, w: float) -> Route:
     heads = low.n_heads or high.n_heads
     if heads is None:
         budgets = [math.exp((1 - w) * math.log(a) + w * math.log(b)) for a, b in zip(low.budgets, high.budgets)]
-        return Route([LayerRoute(e.method, x, e.mixture) for e, x in zip(near.layers, budgets)], model=near.model,
+        return Route([e.with_budgets([x], 1) for e, x in zip(near.layers, budgets)], model=near.model,
                      provenance=dict(near.provenance), adapter_path=near.adapter_path, layer_totals=near.layer_totals)
     layers = []
     for e, a, b in zip(near.layers, low.head_budgets(heads), high.head_budgets(heads)):
         xs = [math.exp((1 - w) * math.log(p) + w * math.log(q)) for p, q in zip(a, b)]
-        layers.append(LayerRoute.per_head([LayerRoute(h.method, x, h.mixture)
-                                           for h, x in zip(e.head_entries(heads), xs)]))
+        layers.append(e.with_budgets(xs, heads) if e.heads is not None or e.share is None
+                      else e.with_budgets([LayerRoute.per_head([LayerRoute(e.method, x) for x in xs]).budget], 1))
     return Route(layers, model=near.model, provenance=dict(near.provenance), adapter_path=near.adapter_path,
                  layer_totals=near.layer_totals)
 

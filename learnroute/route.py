@@ -16,6 +16,12 @@ context, resolved per sample). A layer entry either holds for every KV head of t
 method, budget and optional mixture): a per-head layer. Every per-head layer of a route
 has the same number of heads, the model's KV heads.
 
+``"share": "adakv"`` on a layer lets its KV heads share the layer's tokens by the sample's
+scores (Ada-KV): on a per-layer entry every head's prior is ``budget``; on a per-head
+entry each head's own budget is its prior, the layer keeping their sum. Each head keeps at
+least ``safeguard`` (default 0.2, Ada-KV's) x its prior, the rest going to the top scores
+over all heads (:meth:`Route.shared` makes such a route from a learned one).
+
 ``provenance["adapter"]`` (optional) names a decode-time LoRA adapter folder
 (:mod:`learnroute.adapter`) that runs with the route: a path relative to the route file
 (or absolute). Read from a file, it is resolved into :attr:`Route.adapter_path`; written,
@@ -98,14 +104,19 @@ class LayerRoute:
     # Ada-KV (Feng et al., 2024): the layer keeps H_kv x budget tokens, chosen by the top
     # scores over all its heads, each head keeping at least ADAKV_SAFEGUARD x budget of its
     # own best (kvpress's AdaKVPress, alpha_safeguard 0.20): per-head counts per sample.
+    # On a per-head layer the heads' budgets are priors: the layer keeps their sum, head h
+    # at least ``safeguard`` x its own budget, the rest by the top scores over all heads.
     share: str | None = None
+    # The share's floor per head as a fraction of the head's budget (None: ADAKV_SAFEGUARD).
+    safeguard: float | None = None
 
     @classmethod
-    def per_head(cls, heads: list[LayerRoute] | tuple[LayerRoute, ...]) -> LayerRoute:
+    def per_head(cls, heads: list[LayerRoute] | tuple[LayerRoute, ...], share: str | None = None,
+                 safeguard: float | None = None) -> LayerRoute:
         """A layer whose KV heads each have their own entry. ``method`` (the heads' most
         common method, the earliest head's among ties) and ``budget`` (their mean: a
         fraction, or tokens rounded) summarise it for per-layer readers (tables, plots);
-        the engine keeps each head's own."""
+        the engine keeps each head's own (``share``: their sum, split per sample)."""
         heads = tuple(heads)
         if not heads:
             raise RouteError("a per-head layer needs at least one head")
@@ -114,7 +125,7 @@ class LayerRoute:
         budgets = [h.budget for h in heads]
         mean = sum(budgets) / len(budgets)
         budget = mean if any(isinstance(b, float) for b in budgets) else max(1, round(mean))
-        return cls(method, budget, None, heads)
+        return cls(method, budget, None, heads, share, safeguard)
 
     @property
     def methods(self) -> list[str]:
@@ -130,8 +141,16 @@ class LayerRoute:
     def hardened(self) -> LayerRoute:
         """The entry with mixtures replaced by their heaviest method (per head too)."""
         if self.heads is not None:
-            return LayerRoute.per_head([h.hardened() for h in self.heads])
-        return LayerRoute(self.method, self.budget, share=self.share)
+            return LayerRoute.per_head([h.hardened() for h in self.heads], self.share, self.safeguard)
+        return LayerRoute(self.method, self.budget, share=self.share, safeguard=self.safeguard)
+
+    def with_budgets(self, budgets: list[Budget], n_heads: int) -> LayerRoute:
+        """The entry with each of its ``n_heads`` heads at ``budgets`` (methods, mixtures
+        and share kept): one entry while the heads stay alike, else per-head."""
+        if self.heads is None and len(set(budgets)) == 1:
+            return LayerRoute(self.method, budgets[0], self.mixture, share=self.share, safeguard=self.safeguard)
+        return LayerRoute.per_head([LayerRoute(h.method, b, h.mixture) for h, b in zip(self.head_entries(n_heads), budgets)],
+                                   self.share, self.safeguard)
 
 
 def mixture_problems(mixture: Any, method: str | None = None) -> list[str]:
@@ -155,7 +174,12 @@ def mixture_problems(mixture: Any, method: str | None = None) -> list[str]:
 
 def _entry_dict(e: LayerRoute) -> dict[str, Any]:
     return ({"method": e.method, "budget": e.budget} | ({"mixture": dict(e.mixture)} if e.mixture is not None else {})
-            | ({"share": e.share} if e.share is not None else {}))
+            | _share_dict(e))
+
+
+def _share_dict(e: LayerRoute) -> dict[str, Any]:
+    return (({"share": e.share} if e.share is not None else {})
+            | ({"safeguard": e.safeguard} if e.safeguard is not None else {}))
 
 
 def _parse_entry(item: Any, where: str, problems: list[str], schema: str = SCHEMA) -> LayerRoute | None:
@@ -168,7 +192,7 @@ def _parse_entry(item: Any, where: str, problems: list[str], schema: str = SCHEM
     if mixture is not None:  # the raw weights are checked here; a valid mixture becomes pairs
         bad = [f"{where}: {p}" for p in mixture_problems(mixture, method)]
         mixture = None if bad else tuple((str(m), float(w)) for m, w in mixture.items())
-    entry = LayerRoute(method, budget, mixture, share=item.get("share"))
+    entry = LayerRoute(method, budget, mixture, share=item.get("share"), safeguard=item.get("safeguard"))
     found = entry_problems(entry, where) + bad  # methods, budget, share: the rules a Route applies
     if entry.share is not None and schema != SCHEMA:
         found.append(f"{where}: 'share' needs schema {SCHEMA!r}")
@@ -189,6 +213,10 @@ def entry_problems(entry: LayerRoute, where: str) -> list[str]:
         problems.append(f"{where}: share {entry.share!r} is not one of {', '.join(SHARES)}")
     if entry.share is not None and entry.mixture is not None:
         problems.append(f"{where}: a mixture layer cannot share its budget across heads (share needs one method)")
+    if entry.safeguard is not None and (entry.share is None or isinstance(entry.safeguard, bool)
+                                        or not isinstance(entry.safeguard, (int, float)) or not 0 <= entry.safeguard <= 1):
+        problems.append(f"{where}: safeguard (each head's floor, a fraction of its budget) must be a number in "
+                        f"[0, 1] on a layer with a share, got {entry.safeguard!r}")
     return problems
 
 
@@ -218,6 +246,12 @@ class Route:
                 problems += entry_problems(entry, f"layer {i}")
                 continue
             head_counts.add(len(entry.heads))
+            problems += [p for p in entry_problems(replace(entry, heads=None, method=entry.heads[0].method), f"layer {i}")
+                         if "share" in p or "safeguard" in p]
+            if entry.share is not None and (len({h.method for h in entry.heads}) > 1
+                                            or any(h.mixture for h in entry.heads)):
+                problems.append(f"layer {i}: heads that share the layer's budget by scores need one method "
+                                f"(no mixtures), got {[h.method for h in entry.heads]}")
             for h, head in enumerate(entry.heads):
                 problems += entry_problems(head, f"layer {i} head {h}")
                 if head.heads is not None or head.share is not None:
@@ -341,7 +375,7 @@ class Route:
         except ValueError as e:
             raise RouteError(f"cannot rescale this route: {e}; use route_file_budgets=file") from None
         if H is None:
-            layers = [LayerRoute(e.method, b, e.mixture, share=e.share) for e, b in zip(self.layers, budgets)]
+            layers = [e.with_budgets([b], 1) for e, b in zip(self.layers, budgets)]
         else:
             layers = []
             for i, e in enumerate(self.layers):
@@ -350,10 +384,10 @@ class Route:
                     # a layer whose heads were alike stays one entry (its heads sharing as before);
                     # exact token totals may hand its heads one token more or less: their mean
                     b = mine[0] if len(set(mine)) == 1 else LayerRoute.per_head([LayerRoute(e.method, x) for x in mine]).budget
-                    layers.append(LayerRoute(e.method, b, e.mixture, share=e.share))
+                    layers.append(e.with_budgets([b], 1))
                 else:
-                    layers.append(LayerRoute.per_head([LayerRoute(h.method, b, h.mixture)
-                                                       for h, b in zip(e.head_entries(H), mine)]))
+                    layers.append(e.with_budgets(mine, H) if e.heads is not None else LayerRoute.per_head(
+                        [LayerRoute(e.method, b, e.mixture) for b in mine]))
         return replace(self, layers=layers, provenance=prov)
 
     def reshaped(self, *, floor: float | None = None, head_spread: float | None = None,
@@ -393,11 +427,41 @@ class Route:
         for e, row in zip(self.layers, b.tolist()):
             if self.is_per_head and (e.heads is not None or len(set(row)) > 1):
                 layers.append(LayerRoute.per_head([LayerRoute(h.method, x, h.mixture)
-                                                   for h, x in zip(e.head_entries(H), row)]))
+                                                   for h, x in zip(e.head_entries(H), row)], e.share, e.safeguard))
             else:  # a per-layer entry whose heads stay alike
-                layers.append(LayerRoute(e.method, row[0], e.mixture, share=e.share))
+                layers.append(e.with_budgets([row[0]], 1))
         prov = {**self.provenance, "reshaped": {"floor": floor, "head_spread": head_spread, "layer_mean": layer_mean}}
         return replace(self, layers=layers, provenance=prov)
+
+    def shared(self, safeguard: float | None = None, priors: bool = False) -> Route:
+        """The route with Ada-KV inside each layer: the layer keeps its total, and its KV
+        heads share it by the sample's scores (``share="adakv"``; issue 58 part 3). With
+        ``priors``, a per-head route's head budgets stay as each head's prior (its floor
+        is ``safeguard`` x its own budget); without, every head's prior is the layer's mean
+        (plain Ada-KV within the learned layer totals). ``safeguard``: None is Ada-KV's 0.2.
+        Each layer needs one method (no mixtures)."""
+        problems = []
+        if safeguard is not None and not 0.0 <= safeguard <= 1.0:
+            problems.append(f"safeguard must be in [0, 1] (each head's floor over its budget), got {safeguard}")
+        if priors and not self.is_per_head:
+            problems.append("priors keep each head's own budget: they need a per-head route")
+        for i, e in enumerate(self.layers):
+            heads = e.head_entries(self.n_heads or 1)
+            if len({h.method for h in heads}) > 1 or any(h.mixture for h in heads):
+                problems.append(f"layer {i}: its heads use {sorted({h.method for h in heads})} or mixtures; "
+                                "sharing by scores needs one method per layer")
+        if problems:
+            raise RouteError("cannot share this route's layer budgets by scores:\n  " + "\n  ".join(problems))
+        H = self.n_heads or 1
+        layers = []
+        for e, row in zip(self.layers, self.head_budgets(H)):
+            if priors and e.heads is not None:
+                layers.append(LayerRoute.per_head(list(e.heads), "adakv", safeguard))
+            else:  # the layer's mean per head (a fraction; tokens rounded)
+                mean = LayerRoute.per_head([LayerRoute(e.method, b) for b in row]).budget
+                layers.append(LayerRoute(e.method, mean, share="adakv", safeguard=safeguard))
+        prov = {**self.provenance, "shared": {"share": "adakv", "safeguard": safeguard, "priors": priors}}
+        return replace(self, layers=layers, provenance=prov, layer_totals=self.layer_totals if priors else "learn")
 
     def with_adapter(self, path: str | os.PathLike | None) -> Route:
         """The same route decoding with the adapter folder ``path`` (None: without adapter)."""
@@ -453,7 +517,8 @@ class Route:
             "model": self.model,
             "n_layers": self.n_layers,
             "layers": [
-                {"layer": i} | ({"heads": [_entry_dict(h) for h in e.heads]} if e.heads is not None else _entry_dict(e))
+                {"layer": i} | ({"heads": [_entry_dict(h) for h in e.heads]} | _share_dict(e) if e.heads is not None
+                                else _entry_dict(e))
                 for i, e in enumerate(self.layers)
             ],
             "provenance": provenance,
@@ -494,10 +559,10 @@ class Route:
                 continue
             if "heads" not in item:
                 entry = _parse_entry(item, f"layer {idx}", problems, schema)
-                extra = set(item) - {"layer", "method", "budget", "mixture", "share"}
+                extra = set(item) - {"layer", "method", "budget", "mixture", "share", "safeguard"}
             else:
                 heads = item["heads"]
-                extra = set(item) - {"layer", "heads"}
+                extra = set(item) - {"layer", "heads", "share", "safeguard"}
                 if schema != SCHEMA:
                     problems.append(f"layer {idx}: per-head entries ('heads') need schema {SCHEMA!r}")
                 if not isinstance(heads, list) or not heads:
@@ -507,7 +572,7 @@ class Route:
                 for j, h in enumerate(heads):
                     if isinstance(h, dict) and (bad := set(h) - {"method", "budget", "mixture"}):
                         problems.append(f"layer {idx} head {j}: unknown keys {sorted(bad)}")
-                entry = None if None in parsed else LayerRoute.per_head(parsed)
+                entry = None if None in parsed else LayerRoute.per_head(parsed, item.get("share"), item.get("safeguard"))
             if extra:
                 problems.append(f"layer {idx}: unknown keys {sorted(extra)}")
             if entry is not None:

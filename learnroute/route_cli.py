@@ -63,24 +63,42 @@ def _print_route(name: str, route: Route) -> int:
 
 def reshape(argv: list[str]) -> int:
     """Write a route file's budgets reshaped after the fact (mean kept): a floor, a cap on
-    the spread within layers, or each layer's mean (:meth:`learnroute.route.Route.reshaped`)."""
+    the spread within layers, or each layer's mean (:meth:`learnroute.route.Route.reshaped`);
+    or, with --adakv, each layer's total shared over its KV heads by the sample's scores
+    (:meth:`learnroute.route.Route.shared`). A budget-conditional file is reshaped
+    allocation by allocation."""
     parser = argparse.ArgumentParser(prog="learnroute reshape", description=reshape.__doc__)
-    parser.add_argument("route", help="route JSON file (fractional budgets)")
+    parser.add_argument("route", help="route JSON file (fractional budgets), or a budget-conditional one")
     parser.add_argument("--out", required=True, help="where to write the reshaped route (must not exist)")
     parser.add_argument("--floor", type=float, help="every entry keeps at least this share of the mean, in [0, 1)")
     parser.add_argument("--head-spread", type=float,
                         help="per-head routes: each head at most this times its layer's mean head budget (>= 1)")
     parser.add_argument("--layer-mean", action="store_true", help="per-head routes: every head at its layer's mean")
+    parser.add_argument("--adakv", choices=("layer", "priors"),
+                        help="Ada-KV inside each layer's total: 'layer' gives every head the layer's mean as its "
+                             "prior (plain Ada-KV within the route's layer totals); 'priors' keeps a per-head "
+                             "route's head budgets as priors (each head's floor is --safeguard x its budget)")
+    parser.add_argument("--safeguard", type=float,
+                        help="with --adakv: each head's floor as a fraction of its prior, in [0, 1] (default 0.2, Ada-KV's)")
     args = parser.parse_args(argv)
     if os.path.exists(args.out):
         parser.exit(2, f"learnroute reshape: error: {args.out} exists; choose another --out (nothing is overwritten)\n")
+    if args.safeguard is not None and args.adakv is None:
+        parser.exit(2, "learnroute reshape: error: --safeguard sets Ada-KV's floor: give --adakv layer|priors too\n")
+
+    def one(route: Route) -> Route:
+        if args.floor is not None or args.head_spread is not None or args.layer_mean or args.adakv is None:
+            route = route.reshaped(floor=args.floor, head_spread=args.head_spread, layer_mean=args.layer_mean)
+        return route if args.adakv is None else route.shared(args.safeguard, priors=args.adakv == "priors")
+
     try:
-        route = Route.from_file(args.route).reshaped(floor=args.floor, head_spread=args.head_spread,
-                                                     layer_mean=args.layer_mean)
+        found = load_route_file(args.route)
+        made = (BudgetRoutes(found.budgets, [one(r) for r in found.routes], found.outside, found.source,
+                             dict(found.provenance)) if isinstance(found, BudgetRoutes) else one(found))
     except RouteError as e:
         parser.exit(2, f"learnroute reshape: error: {e}\n")
-    route.to_file(args.out)
-    print(f"wrote {args.out}: {route.describe()}")
+    made.to_file(args.out)
+    print(f"wrote {args.out}: " + (made.describe() if isinstance(made, Route) else f"allocations for {made.budgets}"))
     return 0
 
 

@@ -310,6 +310,102 @@ def test_adakv_route_files_and_bench_specs():
     assert route_spec_problems("adakv:snapkv") == [] and "unknown method 'nope'" in route_spec_problems("adakv:nope")[0]
 
 
+def learned_like_route() -> Route:
+    """A per-head route over one method whose heads' budgets differ, as learned ones do."""
+    return Route([LayerRoute.per_head([LayerRoute("knorm", a), LayerRoute("knorm", b)])
+                  for a, b in [(0.05, 0.35), (0.3, 0.1), (0.2, 0.2), (0.6, 0.1)]], provenance={"source": "test"})
+
+
+def reference_split(scores: list[list[float]], priors: list[int], safeguard: float) -> list[int]:
+    """Ada-KV's per-head counts by plain Python: each head's best int(prior x safeguard)
+    (at least 1) positions first, then the highest remaining scores of any head until the
+    layer holds sum(priors); ties to the later (head, position)."""
+    n = len(scores[0])
+    ranked = [sorted(range(n), key=lambda i: (row[i], i)) for row in scores]  # ascending per head
+    taken = {(h, i) for h, p in enumerate(priors) for i in ranked[h][n - max(1, int(p * safeguard)):]}
+    rest = sorted(((scores[h][i], h * n + i) for h in range(len(scores)) for i in range(n) if (h, i) not in taken))
+    taken |= {divmod(flat, n) for _, flat in rest[len(rest) - (sum(priors) - len(taken)):]}
+    return [sum(1 for h, _ in taken if h == head) for head in range(len(scores))]
+
+
+@pytest.mark.parametrize("priors, safeguard", [(False, None), (True, None), (True, 0.5), (True, 1.0), (True, 0.0)])
+def test_shared_route_splits_each_layers_total_by_scores_as_a_reference_does(tiny, tokenizer, sample, priors, safeguard):
+    """Ada-KV inside a learned route's layer totals (issue 58 part 3): each layer keeps the
+    tokens its heads' budgets add up to, split over the heads per sample as the plain-Python
+    reference splits them; with the priors at safeguard 1 every head keeps its own budget."""
+    from learnroute.methods import resolve_budget
+
+    engine = Engine(tiny, tokenizer, max_new_tokens=4)
+    pre = engine.prefill(engine.encode(sample.context, sample.question))
+    n, route = pre.n_tokens, learned_like_route()
+    shared = route.shared(safeguard, priors=priors)
+    got = engine.kept_head_counts(shared, n, prefill=pre)
+    fixed = engine.kept_head_counts(route, n)
+    for layer, e in enumerate(route.layers):
+        own = [resolve_budget(h.budget, n) for h in e.heads]
+        mean = [resolve_budget(sum(h.budget for h in e.heads) / H, n)] * H
+        scores = engine.scores(pre, layer, "knorm")[0].tolist()  # H_kv lists of n floats
+        want = reference_split(scores, own if priors else mean, 0.2 if safeguard is None else safeguard)
+        assert list(got[layer]) == want, f"layer {layer}"
+        assert sum(got[layer]) == sum(own if priors else mean)
+    if safeguard == 1.0:
+        assert got == fixed
+    else:
+        assert got != fixed  # the sample's scores move tokens between heads
+    # decoding runs with the per-sample counts, and the cache holds what was counted
+    result = engine.answer(pre, [shared])[0]
+    cap = pre.layers[0]
+    per_head_token = (cap.keys.shape[-1] + cap.values.shape[-1]) * cap.keys.element_size()
+    assert result.kv_bytes == per_head_token * sum(map(sum, got))
+    assert result.kept_per_layer == [max(c) for c in got]
+
+
+def test_shared_route_files_round_trip_and_bad_shares_are_refused(tmp_path):
+    from learnroute.budget_routes import BudgetRoutes, combine
+    from learnroute.cli import main
+
+    route = learned_like_route()
+    shared = route.shared(0.5, priors=True)
+    back = Route.from_dict(json.loads(json.dumps(shared.to_dict())))
+    assert back.layers == shared.layers
+    layer = shared.to_dict()["layers"][0]
+    assert layer["share"] == "adakv" and layer["safeguard"] == 0.5 and len(layer["heads"]) == H
+    assert Route.homogeneous("knorm", 4, 0.3).shared().layers == Route.adakv("knorm", 4, 0.3).layers
+    plain = route.shared()  # every head's prior the layer's mean: per-layer entries
+    assert not plain.is_per_head and plain.layers[3] == LayerRoute("knorm", 0.35, share="adakv")
+    # rescaling keeps the share, and the heads' shape under it
+    bigger = shared.rescaled(0.4)
+    assert all(e.share == "adakv" and e.safeguard == 0.5 for e in bigger.layers)
+    assert bigger.head_budgets(H)[1][0] > bigger.head_budgets(H)[1][1]
+    with pytest.raises(RouteError, match=r"safeguard .* must be a number in \[0, 1\]"):
+        Route.from_dict({"layers": [{"method": "knorm", "budget": 0.2, "share": "adakv", "safeguard": 2}]})
+    with pytest.raises(RouteError, match=r"layer 0: safeguard .* on a layer with a share"):
+        Route.from_dict({"layers": [{"method": "knorm", "budget": 0.2, "safeguard": 0.5}]})
+    with pytest.raises(RouteError, match=r"layer 0: heads that share the layer's budget by scores need one method"):
+        Route([LayerRoute.per_head([LayerRoute("knorm", 0.1), LayerRoute("snapkv", 0.2)], "adakv")])
+    with pytest.raises(RouteError, match=r"layer 0: its heads use \['knorm', 'snapkv'\].*one method per layer"):
+        per_head_route_mixed = Route([LayerRoute.per_head([LayerRoute("knorm", 0.1), LayerRoute("snapkv", 0.2)])])
+        per_head_route_mixed.shared()
+    with pytest.raises(RouteError, match="priors keep each head's own budget: they need a per-head route"):
+        Route.homogeneous("knorm", 4, 0.2).shared(priors=True)
+    # a budget-conditional file of shared allocations: interpolation keeps the share
+    both = combine([shared, shared.rescaled(0.4)])
+    between = both.at(0.3)
+    assert all(e.share == "adakv" and e.safeguard == 0.5 for e in between.layers)
+    # `learnroute reshape --adakv` on either kind of file
+    both.to_file(tmp_path / "b.json")
+    route.to_file(tmp_path / "r.json")
+    assert main(["reshape", str(tmp_path / "r.json"), "--adakv", "layer", "--out", str(tmp_path / "s.json")]) == 0
+    assert Route.from_file(tmp_path / "s.json").layers == plain.layers
+    assert main(["reshape", str(tmp_path / "b.json"), "--adakv", "priors", "--safeguard", "1",
+                 "--out", str(tmp_path / "t.json")]) == 0
+    made = BudgetRoutes.from_file(tmp_path / "t.json")
+    assert made.budgets == both.budgets and all(e.safeguard == 1.0 for r in made.routes for e in r.layers)
+    with pytest.raises(SystemExit):
+        main(["reshape", str(tmp_path / "r.json"), "--safeguard", "0.5", "--out", str(tmp_path / "u.json")])
+    assert not (tmp_path / "u.json").exists()
+
+
 # ---------------------------------------------------------------------------- per-head gates
 
 

@@ -305,25 +305,31 @@ class Engine:
                 kept_count(h.budget, n_tokens, keeps_all=self.method(h.method).keeps_all, fixed=fixed, held=held)
                 for h in e.head_entries(self.n_kv_heads)
             )
-            if e.share is not None and heads[0] < n_tokens:
+            if e.share is not None and min(heads) < n_tokens:
                 if prefill is None:
                     raise ValueError(f"layer {layer} shares its budget across heads by the sample's scores "
                                      f"(share={e.share!r}): its per-head counts need the prefill")
-                heads = self._adakv_counts(prefill, layer, e.method, heads[0])
+                safeguard = ADAKV_SAFEGUARD if e.safeguard is None else e.safeguard
+                heads = self._adakv_counts(prefill, layer, e.method, heads, safeguard)
             counts.append(heads)
         return counts
 
-    def _adakv_counts(self, prefill: Prefill, layer: int, method: str, n_kept: int) -> tuple[int, ...]:
-        """Ada-KV's split of ``H_kv x n_kept`` tokens over a layer's KV heads (kvpress's
-        AdaKVPress): each head's best ``max(1, int(n_kept x ADAKV_SAFEGUARD))`` positions
-        first, then the top scores over all heads. Ties go to the later (head, position), as
+    def _adakv_counts(
+        self, prefill: Prefill, layer: int, method: str, priors: tuple[int, ...], safeguard: float = ADAKV_SAFEGUARD
+    ) -> tuple[int, ...]:
+        """Ada-KV's split of ``sum(priors)`` tokens over a layer's KV heads (kvpress's
+        AdaKVPress, where every prior is the layer's budget): head h's best
+        ``max(1, int(priors[h] x safeguard))`` positions first, then the top scores over all
+        heads. Ties go to the later (head, position), as
         :func:`learnroute.methods.select.keep_indices` breaks them within a head, so each head
         keeps exactly its own top-k of that method's scores."""
-        scores = self.scores(prefill, layer, method, n_kept)  # (1, H_kv, n)
+        scores = self.scores(prefill, layer, method, max(priors))  # (1, H_kv, n)
         _, h, n = scores.shape
-        safe = max(1, int(n_kept * ADAKV_SAFEGUARD))
-        forced = scores.clone().scatter_(-1, keep_indices(scores, safe), float("inf"))  # (1, H_kv, n)
-        top = keep_indices(forced.reshape(1, 1, h * n), h * n_kept)  # (1, 1, H_kv * n_kept) flat positions
+        forced = scores.clone()  # (1, H_kv, n)
+        for head, prior in enumerate(priors):  # a head's floor: its own top positions first
+            safe = min(n, max(1, int(prior * safeguard)))
+            forced[:, head].scatter_(-1, keep_indices(scores[:, head : head + 1], safe)[:, 0], float("inf"))
+        top = keep_indices(forced.reshape(1, 1, h * n), min(h * n, sum(priors)))  # (1, 1, sum) flat positions
         return tuple(torch.bincount(top.flatten() // n, minlength=h).tolist())
 
     def compress(
