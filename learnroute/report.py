@@ -48,6 +48,19 @@ def paired(a: dict[str, float], b: dict[str, float], n_boot: int, seed: int = 0)
     return {"n": len(d), "diff": mean(d), "lo": lo, "hi": hi, "verdict": verdict}
 
 
+def budget_steps(scores: dict, route: str, budgets: list, bootstrap: int) -> list[dict[str, Any]]:
+    """More cache must never answer worse (issue 58): ``route`` at each budget minus itself
+    at the next smaller budget of the same kind (tokens or fractions), paired over the same
+    samples. ``drop`` when the interval lies below 0, a loss to itself with less cache."""
+    steps = []
+    for kind in (int, float):
+        mine = sorted(b for b in budgets if type(b) is kind and (route, json.dumps(b)) in scores)
+        for small, large in zip(mine, mine[1:]):
+            d = paired(scores[(route, json.dumps(large))], scores[(route, json.dumps(small))], bootstrap)
+            steps.append({"from": small, "to": large, "vs_smaller_budget": d, "drop": d["verdict"] == "loss"})
+    return steps
+
+
 def pooled(members: list[dict[str, float]]) -> dict[str, float]:
     """Sample id -> the mean of the members' scores, over the samples every member has: one
     route standing for several (say a recipe's training seeds), so that a paired interval
@@ -465,7 +478,25 @@ def paired_table(
                 f"{100 * c['diff']:+.1f} [{100 * c['lo']:+.1f}, {100 * c['hi']:+.1f}] | {c['verdict']} |"
             )
     lines += _pool_lines(members, scores, budgets, main, others)
+    lines += _budget_step_lines(scores, main, budgets, n_boot)
     return "\n".join(lines) + "\n"
+
+
+def _budget_step_lines(scores: dict, main: str, budgets: list, n_boot: int) -> list[str]:
+    """More cache, never worse (issue 58): ``main`` at each budget minus itself at the next
+    smaller one, paired; a drop whose interval lies below 0 is flagged (markdown lines)."""
+    steps = budget_steps(scores, main, budgets, n_boot) if main != "full" else []
+    if not steps:
+        return []
+    label = _stem(main)
+    lines = ["", f"More cache, never worse: {label} at each budget minus {label} at the next smaller one:", "",
+             "| budgets | n | difference [95 % interval] | verdict |", "|---|---|---|---|"]
+    for s in steps:
+        d = s["vs_smaller_budget"]
+        lines.append(f"| {_budget_label(s['from'])} -> {_budget_label(s['to'])} | {d['n']} | "
+                     f"{100 * d['diff']:+.1f} [{100 * d['lo']:+.1f}, {100 * d['hi']:+.1f}] | "
+                     f"{'**worse with more cache**' if s['drop'] else d['verdict']} |")
+    return lines
 
 
 def _pool_lines(members: dict[str, list[str]], scores: dict, budgets: list, main: str, others: list[str]) -> list[str]:

@@ -396,6 +396,27 @@ def test_report_paired_differences_by_hand(tmp_path, capsys):
         main(["report", str(tmp_path), "--tasks", "a"])
 
 
+def test_report_paired_flags_a_route_that_answers_worse_with_more_cache(tmp_path, capsys):
+    """`report --paired R` ends with R at each budget minus R at the next smaller one (issue
+    58), hand-made: 8 of 8 samples right at 10 %, 1 of 8 at 20 % (a drop whose interval lies
+    below 0, flagged), 8 at 40 % (+87.5, a win)."""
+    rows = []
+    right = {0.1: set(range(8)), 0.2: {0}, 0.4: set(range(8))}
+    for i in range(8):
+        rows.append({"sample_id": f"a/{i}", "task": "a", "route": "full", "budget": None, "score": 1.0, "prediction": ""})
+        for b, ok in right.items():
+            rows.append({"sample_id": f"a/{i}", "task": "a", "route": "x/mine.json", "budget": b,
+                         "score": float(i in ok), "prediction": ""})
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["report", str(tmp_path), "--paired", "mine", "--bootstrap", "500"]) == 0
+    out = capsys.readouterr().out
+    assert "More cache, never worse: mine at each budget minus mine at the next smaller one" in out
+    assert "| 0.1 -> 0.2 | 8 | -87.5 [-100.0, -62.5] | **worse with more cache** |" in out
+    assert "| 0.2 -> 0.4 | 8 | +87.5 [+62.5, +100.0] | win |" in out
+    assert main(["report", str(tmp_path), "--paired", "full", "--bootstrap", "500"]) == 0
+    assert "More cache" not in capsys.readouterr().out  # the full cache has no budgets
+
+
 def test_report_pools_training_seeds_into_one_route_by_hand(tmp_path, capsys):
     """`report --paired --pool`: a pool is a route whose score on a sample is its members'
     mean, over the samples every member has (s1 lacks a/3); hand-computed, with each

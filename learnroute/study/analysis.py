@@ -13,7 +13,7 @@ from learnroute.config import from_dict, to_dict
 from learnroute.methods import get_method
 from learnroute.route import Route
 from learnroute.runs import atomic_write
-from learnroute.report import VALID_FULL, best_homogeneous, paired, pooled, sample_scores, solved_tasks
+from learnroute.report import VALID_FULL, best_homogeneous, budget_steps, paired, pooled, sample_scores, solved_tasks
 from learnroute.study.config import CONTROL_KINDS, CONTROLS, START, Budget, StudyConfig, route_name, safe_name
 from learnroute.budget_routes import route_at
 from learnroute.study.manifest import RouteEntry, build_manifest, read_manifest
@@ -184,19 +184,6 @@ def _at_budget(config: StudyConfig, rows: list[dict], scores: dict, valid: set, 
     }
     entry["by_task"] = by_task
     return entry
-
-
-def budget_steps(scores: dict, route: str, budgets: list[Budget], bootstrap: int) -> list[dict[str, Any]]:
-    """More cache must never answer worse (issue 58): ``route`` at each budget minus itself
-    at the next smaller budget of the same kind (tokens or fractions), paired over the same
-    samples. ``drop`` when the interval lies below 0, a loss to itself with less cache."""
-    steps = []
-    for kind in (int, float):
-        mine = sorted(b for b in budgets if type(b) is kind and (route, json.dumps(b)) in scores)
-        for small, large in zip(mine, mine[1:]):
-            d = paired(scores[(route, json.dumps(large))], scores[(route, json.dumps(small))], bootstrap)
-            steps.append({"from": small, "to": large, "vs_smaller_budget": d, "drop": d["verdict"] == "loss"})
-    return steps
 
 
 def family_split(rows: list[dict], calibration: dict[str, int]) -> dict[str, list[dict]]:
