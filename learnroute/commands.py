@@ -218,7 +218,7 @@ def _seed_list(text: str) -> list[int]:
 
 def export(argv: list[str]) -> int:
     """Write the route of a trained gates run (or one of its checkpoints) as a route file."""
-    from learnroute.gates.export import export_cli, export_start
+    from learnroute.gates.export import export_cli, export_start, learned_per_budget
 
     parser = argparse.ArgumentParser(prog="learnroute export", description=export.__doc__)
     parser.add_argument("source", help="train run folder, or a gates checkpoint (.safetensors) inside one")
@@ -246,4 +246,8 @@ def export(argv: list[str]) -> int:
     except (ConfigError, RouteError, FileNotFoundError, ValueError) as e:
         parser.exit(2, f"learnroute export: error: {e}\n")
     print(f"wrote {args.out}: {route.describe()}", file=sys.stderr)
+    if not (args.per_budget or args.start or args.mixture or args.budget) and learned_per_budget(args.source):
+        print(f"note: {args.source} learned one allocation per training budget (budget_slope); {args.out} holds "
+              "the first budget's alone, rescaled to any other. --per-budget writes all of them in one file.",
+              file=sys.stderr)
     return 0

@@ -145,11 +145,11 @@ def test_budget_slope_config_needs_learned_budgets_and_fractions():
         math.exp(sum(math.log(b) for b in (0.075, 0.1, 0.15, 0.2, 0.4)) / 5))
 
 
-def test_a_budget_slope_run_exports_one_allocation_per_training_budget(tiny_dir, tmp_path):
+def test_a_budget_slope_run_exports_one_allocation_per_training_budget(tiny_dir, tmp_path, capsys):
     """Trained with budget_slope, the gates learn a slope (the allocations at 0.2 and 0.4 are
     shaped differently), route_by_budget.json holds the hardened route at each training
     budget, route.json stays the plain route at the first, and `export --per-budget` writes
-    the same file again."""
+    the same file again. A plain export says that it kept the first budget's alone."""
     from learnroute.gates.checkpoint import load_gates
     from tests.conftest import PER_LAYER
     from tests.test_gates import write_config
@@ -169,3 +169,7 @@ def test_a_budget_slope_run_exports_one_allocation_per_training_budget(tiny_dir,
     again = tmp_path / "again.json"
     assert main(["export", str(run), "--out", str(again), "--per-budget"]) == 0
     assert [per_layer(r) for r in load_route_file(again).routes] == [per_layer(r) for r in family.routes]
+    assert "--per-budget writes all" not in capsys.readouterr().err
+    assert main(["export", str(run), "--out", str(tmp_path / "one.json")]) == 0
+    assert "holds the first budget's alone" in capsys.readouterr().err
+    assert per_layer(Route.from_file(tmp_path / "one.json")) == pytest.approx(per_layer(low))

@@ -77,7 +77,7 @@ def test_cell_equals_compressing_one_layer_in_a_full_forward(arch, tiny, tokeniz
     damage = sample_damage(engine, sample, [24], methods)
     assert damage["fixed_layers"] == ([0, 2] if arch == "gemma3" else [])
     prefill, answer, ids, pos = teacher_forced(engine, tokenizer, sample)
-    n, q, a = prefill.n_tokens, prefill.prompt.question_ids.shape[1], answer.shape[1]
+    q, a = prefill.prompt.question_ids.shape[1], answer.shape[1]
 
     def logp(route):
         cache = _hf.build_cache(model, engine.compress(prefill, [route]))

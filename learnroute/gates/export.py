@@ -187,6 +187,12 @@ def load_run(source: str | Path) -> tuple[Path, Path, TrainConfig]:
     return ckpt or chosen_checkpoint(run, config.select), run, config
 
 
+def learned_per_budget(source: str | Path) -> bool:
+    """Whether the run of ``source`` learned one allocation per training budget
+    (``budget_slope``): exported at one budget alone, the others would only be rescaled."""
+    return bool(load_run(source)[2].budget_slope)
+
+
 def export_cli(
     source: str | Path,
     out: str | Path,
