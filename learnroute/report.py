@@ -484,18 +484,27 @@ def paired_table(
 
 def _budget_step_lines(scores: dict, main: str, budgets: list, n_boot: int) -> list[str]:
     """More cache, never worse (issue 58): ``main`` at each budget minus itself at the next
-    smaller one, paired; a drop whose interval lies below 0 is flagged (markdown lines)."""
+    smaller one, paired; a drop whose interval lies below 0 is flagged (markdown lines). The
+    last column is ``main`` at the smaller budget minus the full cache over the same samples:
+    a route above the full cache must come back down to it by 100 % kept, so a drop from
+    above it is the route returning toward the full cache's answers, not losing below them."""
     steps = budget_steps(scores, main, budgets, n_boot) if main != "full" else []
     if not steps:
         return []
     label = _stem(main)
-    lines = ["", f"More cache, never worse: {label} at each budget minus {label} at the next smaller one:", "",
-             "| budgets | n | difference [95 % interval] | verdict |", "|---|---|---|---|"]
+    full = scores.get(("full", "null"), {})
+    lines = ["", f"More cache, never worse: {label} at each budget minus {label} at the next smaller one "
+             f"(last column: {label} at the smaller budget minus the full cache):", "",
+             "| budgets | n | difference [95 % interval] | verdict | smaller budget − full cache |",
+             "|---|---|---|---|---|"]
     for s in steps:
         d = s["vs_smaller_budget"]
+        small = scores[(main, json.dumps(s["from"]))]
+        ids = set(small) & set(full)
+        above = f"{100 * mean(small[i] - full[i] for i in ids):+.1f}" if ids else "n/a"
         lines.append(f"| {_budget_label(s['from'])} -> {_budget_label(s['to'])} | {d['n']} | "
                      f"{100 * d['diff']:+.1f} [{100 * d['lo']:+.1f}, {100 * d['hi']:+.1f}] | "
-                     f"{'**worse with more cache**' if s['drop'] else d['verdict']} |")
+                     f"{'**worse with more cache**' if s['drop'] else d['verdict']} | {above} |")
     return lines
 
 

@@ -399,11 +399,13 @@ def test_report_paired_differences_by_hand(tmp_path, capsys):
 def test_report_paired_flags_a_route_that_answers_worse_with_more_cache(tmp_path, capsys):
     """`report --paired R` ends with R at each budget minus R at the next smaller one (issue
     58), hand-made: 8 of 8 samples right at 10 %, 1 of 8 at 20 % (a drop whose interval lies
-    below 0, flagged), 8 at 40 % (+87.5, a win)."""
+    below 0, flagged), 8 at 40 % (+87.5, a win). The full cache answers 4 of 8, so the route
+    stands +50.0 above it at 10 % and -37.5 below it at 20 % (the last column)."""
     rows = []
     right = {0.1: set(range(8)), 0.2: {0}, 0.4: set(range(8))}
     for i in range(8):
-        rows.append({"sample_id": f"a/{i}", "task": "a", "route": "full", "budget": None, "score": 1.0, "prediction": ""})
+        rows.append({"sample_id": f"a/{i}", "task": "a", "route": "full", "budget": None, "score": float(i < 4),
+                     "prediction": ""})
         for b, ok in right.items():
             rows.append({"sample_id": f"a/{i}", "task": "a", "route": "x/mine.json", "budget": b,
                          "score": float(i in ok), "prediction": ""})
@@ -411,8 +413,8 @@ def test_report_paired_flags_a_route_that_answers_worse_with_more_cache(tmp_path
     assert main(["report", str(tmp_path), "--paired", "mine", "--bootstrap", "500"]) == 0
     out = capsys.readouterr().out
     assert "More cache, never worse: mine at each budget minus mine at the next smaller one" in out
-    assert "| 0.1 -> 0.2 | 8 | -87.5 [-100.0, -62.5] | **worse with more cache** |" in out
-    assert "| 0.2 -> 0.4 | 8 | +87.5 [+62.5, +100.0] | win |" in out
+    assert "| 0.1 -> 0.2 | 8 | -87.5 [-100.0, -62.5] | **worse with more cache** | +50.0 |" in out
+    assert "| 0.2 -> 0.4 | 8 | +87.5 [+62.5, +100.0] | win | -37.5 |" in out
     assert main(["report", str(tmp_path), "--paired", "full", "--bootstrap", "500"]) == 0
     assert "More cache" not in capsys.readouterr().out  # the full cache has no budgets
 
