@@ -51,13 +51,22 @@ def paired(a: dict[str, float], b: dict[str, float], n_boot: int, seed: int = 0)
 def budget_steps(scores: dict, route: str, budgets: list, bootstrap: int) -> list[dict[str, Any]]:
     """More cache must never answer worse (issue 58): ``route`` at each budget minus itself
     at the next smaller budget of the same kind (tokens or fractions), paired over the same
-    samples. ``drop`` when the interval lies below 0, a loss to itself with less cache."""
+    samples. ``drop`` when the interval lies below 0, a loss to itself with less cache.
+    ``smaller_minus_full``: the route at the smaller budget minus the full cache, over the
+    samples both have (None without full-cache rows). A route above the full cache must come
+    back down to it by 100 % kept, so a drop from above it is the route returning toward the
+    full cache's answers, not falling below them."""
+    full = scores.get(("full", "null"), {})
     steps = []
     for kind in (int, float):
         mine = sorted(b for b in budgets if type(b) is kind and (route, json.dumps(b)) in scores)
         for small, large in zip(mine, mine[1:]):
-            d = paired(scores[(route, json.dumps(large))], scores[(route, json.dumps(small))], bootstrap)
-            steps.append({"from": small, "to": large, "vs_smaller_budget": d, "drop": d["verdict"] == "loss"})
+            low = scores[(route, json.dumps(small))]
+            d = paired(scores[(route, json.dumps(large))], low, bootstrap)
+            ids = set(low) & set(full)
+            above = mean(low[i] - full[i] for i in ids) if ids else None
+            steps.append({"from": small, "to": large, "vs_smaller_budget": d, "drop": d["verdict"] == "loss",
+                          "smaller_minus_full": above})
     return steps
 
 
@@ -485,23 +494,18 @@ def paired_table(
 def _budget_step_lines(scores: dict, main: str, budgets: list, n_boot: int) -> list[str]:
     """More cache, never worse (issue 58): ``main`` at each budget minus itself at the next
     smaller one, paired; a drop whose interval lies below 0 is flagged (markdown lines). The
-    last column is ``main`` at the smaller budget minus the full cache over the same samples:
-    a route above the full cache must come back down to it by 100 % kept, so a drop from
-    above it is the route returning toward the full cache's answers, not losing below them."""
+    last column is ``main`` at the smaller budget minus the full cache (:func:`budget_steps`)."""
     steps = budget_steps(scores, main, budgets, n_boot) if main != "full" else []
     if not steps:
         return []
     label = _stem(main)
-    full = scores.get(("full", "null"), {})
     lines = ["", f"More cache, never worse: {label} at each budget minus {label} at the next smaller one "
              f"(last column: {label} at the smaller budget minus the full cache):", "",
              "| budgets | n | difference [95 % interval] | verdict | smaller budget − full cache |",
              "|---|---|---|---|---|"]
     for s in steps:
-        d = s["vs_smaller_budget"]
-        small = scores[(main, json.dumps(s["from"]))]
-        ids = set(small) & set(full)
-        above = f"{100 * mean(small[i] - full[i] for i in ids):+.1f}" if ids else "n/a"
+        d, above = s["vs_smaller_budget"], s["smaller_minus_full"]
+        above = "n/a" if above is None else f"{100 * above:+.1f}"
         lines.append(f"| {_budget_label(s['from'])} -> {_budget_label(s['to'])} | {d['n']} | "
                      f"{100 * d['diff']:+.1f} [{100 * d['lo']:+.1f}, {100 * d['hi']:+.1f}] | "
                      f"{'**worse with more cache**' if s['drop'] else d['verdict']} | {above} |")

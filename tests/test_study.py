@@ -837,7 +837,10 @@ def test_a_main_route_that_answers_worse_with_more_cache_is_flagged():
     by_hand = [sum(b - a for a, b in zip(learned[x], learned[y])) / 20 for x, y in ((0.1, 0.2), (0.2, 0.4))]
     assert [s["vs_smaller_budget"]["diff"] for s in steps] == pytest.approx(by_hand)  # -0.5, +1.0
     assert [s["drop"] for s in steps] == [True, False]
+    # the smaller budget against the full cache (1 everywhere): 10 of 20 right at 0.1, none at 0.2
+    assert [s["smaller_minus_full"] for s in steps] == pytest.approx([-0.5, -1.0])
     md = M.to_markdown({"config": {"budgets": [0.1]}, "protocols": {"agnostic": {
         "n_eval_samples": 20, "valid_tasks": ["niah_single_1"], "left_out_tasks": [], "budgets": [],
         "main_vs_smaller_budget": steps}}}, "learned")
     assert "| all | 0.1 -> 0.2 | -50.0 [" in md and "**learned answers worse with more cache** at: all 0.1 -> 0.2." in md
+    assert "| **drop** | -50.0 |" in md and "| no | -100.0 |" in md

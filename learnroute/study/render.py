@@ -151,11 +151,14 @@ def _budget_step_lines(res: dict[str, Any], main: str) -> list[str]:
     if not rows:
         return []
     lines = ["", f"More cache, never worse: {main} at each budget minus {main} at the next smaller one "
-             "(paired; **drop**: the interval below 0).", "",
-             "| split | budgets | difference | worse with more cache |", "|---|---|---|---|"]
+             "(paired; **drop**: the interval below 0). Last column: the smaller budget minus the full cache; "
+             "a route above the full cache must come back down to it by 100 % kept.", "",
+             "| split | budgets | difference | worse with more cache | smaller budget − full cache |",
+             "|---|---|---|---|---|"]
     for name, s in rows:
+        above = s.get("smaller_minus_full")  # absent in a study.json written before it existed
         lines.append(f"| {name} | {s['from']} -> {s['to']} | {_ci(s['vs_smaller_budget'])} | "
-                     f"{'**drop**' if s['drop'] else 'no'} |")
+                     f"{'**drop**' if s['drop'] else 'no'} | {'n/a' if above is None else f'{100 * above:+.1f}'} |")
     drops = [f"{name} {s['from']} -> {s['to']}" for name, s in rows if s["drop"]]
     if drops:
         lines += ["", f"**{main} answers worse with more cache** at: {', '.join(drops)}."]
