@@ -316,6 +316,34 @@ def learned_like_route() -> Route:
                   for a, b in [(0.05, 0.35), (0.3, 0.1), (0.2, 0.2), (0.6, 0.1)]], provenance={"source": "test"})
 
 
+@pytest.mark.parametrize("method", ["knorm", "keydiff"])
+def test_more_budget_never_evicts_a_token_a_smaller_budget_kept(tiny, tokenizer, sample, method):
+    """A learned-like per-head route rescaled to larger budgets (up to heads capped at the
+    whole context, their excess water-filled to the others) keeps, in every KV head, a
+    superset of the positions it kept at each smaller budget, for scorers whose scores do
+    not depend on the budget (docs/log.md §5.4: a drop with more cache is then the model's,
+    not the route's). Positions are each head's row of the method's own top-k."""
+    base = Route([LayerRoute.per_head([LayerRoute(method, e.heads[0].budget), LayerRoute(method, e.heads[1].budget)])
+                  for e in learned_like_route().layers])
+    engine = Engine(tiny, tokenizer)
+    pre = engine.prefill(engine.encode(sample.context, sample.question))
+    n = pre.n_tokens
+
+    def kept(budget: float) -> list[list[set[int]]]:
+        route = base.rescaled(budget)
+        counts = engine.kept_head_counts(route, n, pre.layer_tokens, pre)  # per layer: (k_0, k_1)
+        return [[set(engine.kept_indices(pre, layer, method, k)[0, h, :k].tolist()) for h, k in enumerate(ks)]
+                for layer, ks in enumerate(counts)]
+
+    budgets = [0.05, 0.1, 0.2, 0.4, 0.8]  # at 0.8 the 0.6 head of the last layer is capped at n
+    sets = [kept(b) for b in budgets]
+    assert max(len(h) for h in sets[-1][3]) == n  # the cap was reached
+    for small, large in zip(sets, sets[1:]):
+        for layer_small, layer_large in zip(small, large):
+            for a, b in zip(layer_small, layer_large):
+                assert len(a) <= len(b) and a <= b
+
+
 def reference_split(scores: list[list[float]], priors: list[int], safeguard: float) -> list[int]:
     """Ada-KV's per-head counts by plain Python: each head's best int(prior x safeguard)
     (at least 1) positions first, then the highest remaining scores of any head until the
