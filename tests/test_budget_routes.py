@@ -145,6 +145,29 @@ def test_budget_slope_config_needs_learned_budgets_and_fractions():
         math.exp(sum(math.log(b) for b in (0.075, 0.1, 0.15, 0.2, 0.4)) / 5))
 
 
+def test_slope_weight_holds_the_allocations_toward_one_rescaled_shape(tiny_dir, tmp_path):
+    """slope_weight penalises mean(beta'^2): the same run (seed, samples, steps) with a large
+    weight ends with a smaller slope, so its allocations at 0.2 and 0.4 differ less from one
+    shape rescaled; without budget_slope, or below 0, it is refused before training."""
+    from learnroute.gates.checkpoint import load_gates
+    from learnroute.gates.config import TrainConfig
+    from tests.conftest import PER_LAYER
+    from tests.test_gates import write_config
+
+    slopes = {}
+    for w in (0.0, 50.0):
+        over = {**PER_LAYER, "budget_slope": True, "slope_weight": w, "budgets": [0.2, 0.4], "steps": 3, "lr": 0.3,
+                "save_every": 3, "eval_every": 3, "tasks": {"niah_single_1": 3}, "output": str(tmp_path / f"run{w}")}
+        assert main(["train", "--config", str(write_config(tmp_path, tiny_dir, **over))]) == 0
+        slopes[w] = load_gates(tmp_path / f"run{w}" / "gates.safetensors")[0]["beta_slope"].abs().mean().item()
+    assert slopes[50.0] < 0.5 * slopes[0.0], slopes
+    with pytest.raises(ConfigError) as e:
+        load_config(TrainConfig, None, ["slope_weight=0.5"])
+    assert "slope_weight (0.5) penalises the budget slope: set budget_slope: true" in str(e.value)
+    with pytest.raises(ConfigError, match="slope_weight must be >= 0, got -1"):
+        load_config(TrainConfig, None, ["budget_slope=true", "slope_weight=-1"])
+
+
 def test_a_budget_slope_run_exports_one_allocation_per_training_budget(tiny_dir, tmp_path, capsys):
     """Trained with budget_slope, the gates learn a slope (the allocations at 0.2 and 0.4 are
     shaped differently), route_by_budget.json holds the hardened route at each training

@@ -60,7 +60,7 @@ class TrainConfig:
                   "init_method", "init_logit", "init_pi", "budget_floor", "head_spread", "budget_slope", "mixing",
                   "relaxation",
                   "gate_temperature", "topk_temperature", "topk_scale", "gumbel", "straight_through", "eps"),
-        "loss": ("ce_weight", "kl_weight", "first_token_weight", "entropy_weight", "uniform_weight"),
+        "loss": ("ce_weight", "kl_weight", "first_token_weight", "entropy_weight", "uniform_weight", "slope_weight"),
         "optimiser": ("steps", "batch_size", "lr", "weight_decay", "train_seed", "eval_every", "select",
                       "save_every"),
         "lora": ("adapter", "lora_rank", "lora_alpha", "lora_targets", "adapter_lr"),
@@ -142,6 +142,12 @@ class TrainConfig:
         default=0.0,
         metadata={"help": "weight of KL(uniform || budget shares) over the free layers: shares stay near "
                           "uniform unless the task loss pays for leaving it (starved layers overfit a family)"},
+    )
+    slope_weight: float = field(
+        default=0.0,
+        metadata={"help": "budget_slope: weight of mean(beta'^2), which holds each budget's allocation toward the "
+                          "one shape rescaled (0 = none); the free slope fitted large budgets to the calibration "
+                          "families and lost out of family (docs/log.md §5.4)"},
     )
     ce_weight: float = field(default=1.0, metadata={"help": "weight of the reference answer's cross-entropy"})
     kl_weight: float = field(default=0.0, metadata={"help": "weight of KL(full cache || soft route) on answer tokens"})
@@ -303,6 +309,9 @@ class TrainConfig:
                     f"budgets: {b} tokens per KV head is not below context_tokens ({self.context_tokens}): "
                     "nothing would be evicted"
                 )
+        if self.slope_weight > 0 and not self.budget_slope:
+            problems.append(f"slope_weight ({self.slope_weight}) penalises the budget slope: set budget_slope: true, "
+                            "or slope_weight: 0")
         if self.budget_slope:
             if self.learn not in ("both", "budgets"):
                 problems.append(f"budget_slope learns how the budget shares move with the budget: it needs learn "
@@ -332,7 +341,8 @@ class TrainConfig:
             problems.append(f"eps must be > 0, got {self.eps}")
         if self.ce_weight == 0 and self.kl_weight == 0:
             problems.append("ce_weight and kl_weight are both 0: there is no task loss to train on")
-        for name in ("entropy_weight", "uniform_weight", "ce_weight", "kl_weight", "first_token_weight", "weight_decay"):
+        for name in ("entropy_weight", "uniform_weight", "slope_weight", "ce_weight", "kl_weight", "first_token_weight",
+                     "weight_decay"):
             if getattr(self, name) < 0:
                 problems.append(f"{name} must be >= 0, got {getattr(self, name)}")
         problems += self._granularity_problems()

@@ -319,6 +319,8 @@ class _Trainer:
                 loss = loss + config.entropy_weight * self.gates.entropy(temp)
             if config.uniform_weight > 0 and self.gates.beta.requires_grad:
                 loss = loss + config.uniform_weight * self.gates.share_divergence()
+            if config.slope_weight > 0 and self.gates.beta_slope is not None and self.gates.beta_slope.requires_grad:
+                loss = loss + config.slope_weight * self.gates.beta_slope.pow(2).mean()
             (loss / len(batch)).backward()
             loss_sum += loss.detach()
             ce_sum += ce
