@@ -2,6 +2,7 @@
 
 from learnroute._hf import attention_bias, routed_attention
 from learnroute.adapter import Adapter, AdapterError, adapter_scope
+from learnroute.budget_routes import BudgetRoutes, load_route_file, route_at
 from learnroute.engine import Engine, Prefill, Prompt, RouteResult, build_prompt
 from learnroute.methods import ALLOCATORS, METHODS, Method, allocate, get_method, method_names
 from learnroute.models import DEFAULT_MODEL, load_model, model_name, tiny_llama
@@ -14,6 +15,7 @@ __all__ = [
     "ALLOCATORS",
     "Adapter",
     "AdapterError",
+    "BudgetRoutes",
     "DEFAULT_MODEL",
     "METHODS",
     "Engine",
@@ -31,8 +33,10 @@ __all__ = [
     "build_prompt",
     "get_method",
     "load_model",
+    "load_route_file",
     "method_names",
     "model_name",
+    "route_at",
     "routed_attention",
     "tiny_llama",
 ]

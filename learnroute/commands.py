@@ -190,8 +190,11 @@ def train(argv: list[str]) -> int:
         return run_train(config, overwrite) if seeds is None else run_train_seeds(config, seeds, overwrite)
 
     def done(out: Path | list[Path]) -> str:
-        return "\n".join(f"gates in {o}: route.json (hardened), pi.png, budgets.png, checkpoints/"
-                         for o in (out if isinstance(out, list) else [out]))
+        def files(o: Path) -> str:  # a run with a budget slope also wrote each budget's allocation
+            per_budget = "route_by_budget.json (an allocation per budget), " if (o / "route_by_budget.json").is_file() else ""
+            return f"gates in {o}: {per_budget}route.json (hardened at the first budget), pi.png, budgets.png, checkpoints/"
+
+        return "\n".join(files(o) for o in (out if isinstance(out, list) else [out]))
 
     seeds = dict(type=_seed_list, metavar="K,K,...",
                  help="train once per optimisation seed (train_seed=K) into <output>_seed<K>, prefilling the "
@@ -218,6 +221,7 @@ def _seed_list(text: str) -> list[int]:
 
 def export(argv: list[str]) -> int:
     """Write the route of a trained gates run (or one of its checkpoints) as a route file."""
+    from learnroute.budget_routes import load_route_file
     from learnroute.gates.export import export_cli, export_start, learned_per_budget
 
     parser = argparse.ArgumentParser(prog="learnroute export", description=export.__doc__)
@@ -230,24 +234,29 @@ def export(argv: list[str]) -> int:
     parser.add_argument("--model", help="refuse the checkpoint unless it was trained on this model name")
     parser.add_argument("--per-budget", action="store_true",
                         help="write a budget-conditional route file: the hardened route at each training budget "
-                             "(a budget_slope run learns one allocation per budget)")
+                             "(the default for a run that learned a budget slope, as the recipe does)")
     parser.add_argument("--start", action="store_true",
                         help="write the run's untrained start instead (its initial gates, hardened): the "
                              "control to bench beside the trained route")
     args = parser.parse_args(argv)
     if args.start and (args.mixture or args.temperature is not None):
         parser.error("--start writes the hardened untrained start: --mixture and --temperature do not apply")
+    per_budget = False
     try:
         if args.start:
             route = export_start(args.source, args.out, budget=args.budget, model=args.model)
         else:
+            # A run with a budget slope learned one allocation per training budget: all of them,
+            # unless one budget (or the mixture) is asked for.
+            per_budget = args.per_budget or (not (args.mixture or args.budget) and learned_per_budget(args.source))
             route = export_cli(args.source, args.out, budget=args.budget, mixture=args.mixture,
-                               temperature=args.temperature, model=args.model, per_budget=args.per_budget)
+                               temperature=args.temperature, model=args.model, per_budget=per_budget)
     except (ConfigError, RouteError, FileNotFoundError, ValueError) as e:
         parser.exit(2, f"learnroute export: error: {e}\n")
-    print(f"wrote {args.out}: {route.describe()}", file=sys.stderr)
-    if not (args.per_budget or args.start or args.mixture or args.budget) and learned_per_budget(args.source):
-        print(f"note: {args.source} learned one allocation per training budget (budget_slope); {args.out} holds "
-              "the first budget's alone, rescaled to any other. --per-budget writes all of them in one file.",
-              file=sys.stderr)
+    if per_budget:
+        held = load_route_file(args.out)
+        print(f"wrote {args.out}: one allocation per training budget {held.budgets} (a budget-conditional route; "
+              f"--budget B writes one route), at {held.budgets[0]}: {route.describe()}", file=sys.stderr)
+    else:
+        print(f"wrote {args.out}: {route.describe()}", file=sys.stderr)
     return 0

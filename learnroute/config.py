@@ -37,6 +37,10 @@ class ConfigError(ValueError):
 def _type_name(tp: Any) -> str:
     if tp is type(None):
         return "null"
+    if tp is bool:
+        return "true or false"
+    if typing.get_origin(tp) is typing.Literal:
+        return " or ".join(map(repr, typing.get_args(tp)))
     if isinstance(tp, type):
         return tp.__name__
     return str(tp).replace("typing.", "")

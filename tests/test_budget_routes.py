@@ -135,7 +135,9 @@ def test_budget_slope_shares_are_beta_plus_the_slope_times_the_log_budget_ratio(
 
 
 def test_budget_slope_config_needs_learned_budgets_and_fractions():
-    from learnroute.gates.config import TrainConfig
+    """Asked for (true), the slope is refused where it cannot be learned; auto (the default)
+    turns it on for the recipe and off for such a config without an error."""
+    from learnroute.gates.config import TrainConfig, resolved_slope, stage_configs
 
     with pytest.raises(ConfigError, match="budget_slope .* needs learn budgets or both, not 'methods'"):
         load_config(TrainConfig, None, ["budget_slope=true", "learn=methods", "init_method=null"])
@@ -143,12 +145,22 @@ def test_budget_slope_config_needs_learned_budgets_and_fractions():
         load_config(TrainConfig, None, ["budget_slope=true", "budgets=[64,128]", "context_tokens=1024"])
     assert load_config(TrainConfig, None, ["budget_slope=true"]).ref_budget == pytest.approx(
         math.exp(sum(math.log(b) for b in (0.075, 0.1, 0.15, 0.2, 0.4)) / 5))
+    with pytest.raises(ConfigError, match="budget_slope: expected true or false or 'auto', got 'maybe'"):
+        load_config(TrainConfig, None, ["budget_slope=maybe"])
+    assert resolved_slope(TrainConfig()) is True
+    assert resolved_slope(load_config(TrainConfig, None, ["budget_slope=false"])) is False
+    assert resolved_slope(load_config(TrainConfig, None, ["learn=methods", "init_method=null"])) is False
+    assert resolved_slope(load_config(TrainConfig, None, ["budgets=[64,128]", "context_tokens=1024"])) is False
+    assert resolved_slope(load_config(TrainConfig, None, ["budgets=[0.2]"])) is False
+    # every stage's resolved config says which, so its config.yaml does (one stage at 1k, two at 4k)
+    assert [c.budget_slope for c in stage_configs(TrainConfig())] == [True]
+    assert [c.budget_slope for c in stage_configs(TrainConfig(context_tokens=4096))] == [True, True]
 
 
 def test_slope_weight_holds_the_allocations_toward_one_rescaled_shape(tiny_dir, tmp_path):
     """slope_weight penalises mean(beta'^2): the same run (seed, samples, steps) with a large
     weight ends with a smaller slope, so its allocations at 0.2 and 0.4 differ less from one
-    shape rescaled; without budget_slope, or below 0, it is refused before training."""
+    shape rescaled; below 0 it is refused before training."""
     from learnroute.gates.checkpoint import load_gates
     from learnroute.gates.config import TrainConfig
     from tests.conftest import PER_LAYER
@@ -161,9 +173,6 @@ def test_slope_weight_holds_the_allocations_toward_one_rescaled_shape(tiny_dir, 
         assert main(["train", "--config", str(write_config(tmp_path, tiny_dir, **over))]) == 0
         slopes[w] = load_gates(tmp_path / f"run{w}" / "gates.safetensors")[0]["beta_slope"].abs().mean().item()
     assert slopes[50.0] < 0.5 * slopes[0.0], slopes
-    with pytest.raises(ConfigError) as e:
-        load_config(TrainConfig, None, ["slope_weight=0.5"])
-    assert "slope_weight (0.5) penalises the budget slope: set budget_slope: true" in str(e.value)
     with pytest.raises(ConfigError, match="slope_weight must be >= 0, got -1"):
         load_config(TrainConfig, None, ["budget_slope=true", "slope_weight=-1"])
 
@@ -171,8 +180,8 @@ def test_slope_weight_holds_the_allocations_toward_one_rescaled_shape(tiny_dir, 
 def test_a_budget_slope_run_exports_one_allocation_per_training_budget(tiny_dir, tmp_path, capsys):
     """Trained with budget_slope, the gates learn a slope (the allocations at 0.2 and 0.4 are
     shaped differently), route_by_budget.json holds the hardened route at each training
-    budget, route.json stays the plain route at the first, and `export --per-budget` writes
-    the same file again. A plain export says that it kept the first budget's alone."""
+    budget, route.json stays the plain route at the first, and a plain `export` (or `--per-budget`)
+    writes the same file again; `--budget B` writes the one route at B."""
     from learnroute.gates.checkpoint import load_gates
     from tests.conftest import PER_LAYER
     from tests.test_gates import write_config
@@ -189,10 +198,10 @@ def test_a_budget_slope_run_exports_one_allocation_per_training_budget(tiny_dir,
     assert sum(low.budgets) / 4 == pytest.approx(0.2, abs=1e-6) and sum(high.budgets) / 4 == pytest.approx(0.4, abs=1e-6)
     assert per_layer(low) == pytest.approx(per_layer(Route.from_file(run / "route.json")))
     assert per_layer(high) != pytest.approx(per_layer(low.rescaled(0.4)), abs=1e-4)  # its own shape, not a stretch
-    again = tmp_path / "again.json"
-    assert main(["export", str(run), "--out", str(again), "--per-budget"]) == 0
-    assert [per_layer(r) for r in load_route_file(again).routes] == [per_layer(r) for r in family.routes]
-    assert "--per-budget writes all" not in capsys.readouterr().err
-    assert main(["export", str(run), "--out", str(tmp_path / "one.json")]) == 0
-    assert "holds the first budget's alone" in capsys.readouterr().err
+    for flags in ([], ["--per-budget"]):
+        again = tmp_path / "again.json"
+        assert main(["export", str(run), "--out", str(again), *flags]) == 0
+        assert [per_layer(r) for r in load_route_file(again).routes] == [per_layer(r) for r in family.routes]
+        assert "one allocation per training budget [0.2, 0.4]" in capsys.readouterr().err
+    assert main(["export", str(run), "--out", str(tmp_path / "one.json"), "--budget", "0.2"]) == 0
     assert per_layer(Route.from_file(tmp_path / "one.json")) == pytest.approx(per_layer(low))

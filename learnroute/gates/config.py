@@ -144,10 +144,11 @@ class TrainConfig:
                           "uniform unless the task loss pays for leaving it (starved layers overfit a family)"},
     )
     slope_weight: float = field(
-        default=0.0,
-        metadata={"help": "budget_slope: weight of mean(beta'^2), which holds each budget's allocation toward the "
-                          "one shape rescaled (0 = none); the free slope fitted large budgets to the calibration "
-                          "families and lost out of family (docs/log.md §5.4)"},
+        default=1.0,
+        metadata={"help": "with the budget slope on: weight of mean(beta'^2), which holds each budget's allocation "
+                          "toward the one shape rescaled (0 = a free slope; no effect without the slope). The free "
+                          "slope fitted large budgets to the calibration families and lost out of family; 1.0 "
+                          "never dropped with more cache and tied the one shape (docs/results.md, \"Every budget\")"},
     )
     ce_weight: float = field(default=1.0, metadata={"help": "weight of the reference answer's cross-entropy"})
     kl_weight: float = field(default=0.0, metadata={"help": "weight of KL(full cache || soft route) on answer tokens"})
@@ -158,11 +159,12 @@ class TrainConfig:
         default=0.1, metadata={"help": "final share of steps with straight-through one-hot π (0 = none)"}
     )
     budget_floor: float = field(default=0.05, metadata={"help": "every layer keeps at least this share of the mean"})
-    budget_slope: bool = field(
-        default=False,
+    budget_slope: bool | Literal["auto"] = field(
+        default="auto",
         metadata={"help": "budget shares affine in log-budget (logits beta + log(b / b_ref) * beta', the slope "
                           "learned from 0): each training budget gets its own allocation, validated as such, and "
-                          "export writes a budget-conditional route (route_by_budget.json; fraction budgets)"},
+                          "export writes a budget-conditional route (route_by_budget.json). auto: on where budgets "
+                          "are learned at two or more fraction budgets, else off; true refuses any other config"},
     )
     head_spread: float | None = field(
         default=None,
@@ -309,16 +311,10 @@ class TrainConfig:
                     f"budgets: {b} tokens per KV head is not below context_tokens ({self.context_tokens}): "
                     "nothing would be evicted"
                 )
-        if self.slope_weight > 0 and not self.budget_slope:
-            problems.append(f"slope_weight ({self.slope_weight}) penalises the budget slope: set budget_slope: true, "
-                            "or slope_weight: 0")
-        if self.budget_slope:
-            if self.learn not in ("both", "budgets"):
-                problems.append(f"budget_slope learns how the budget shares move with the budget: it needs learn "
-                                f"budgets or both, not {self.learn!r}")
-            if any(not isinstance(b, float) for b in self.budgets) or len(set(self.budgets)) < 2:
-                problems.append(f"budget_slope needs two or more fraction budgets (e.g. [0.1, 0.2, 0.4]), got "
-                                f"{self.budgets}")
+        if self.budget_slope not in (True, False, "auto"):
+            problems.append(f"budget_slope must be true, false or auto, got {self.budget_slope!r}")
+        elif self.budget_slope is True:  # asked for: refused where it cannot be learned (auto turns off there)
+            problems += [f"{why} (or budget_slope: auto)" for why in slope_conflicts(self)]
         if self.topk_scale not in ("budget", "rank"):
             problems.append(f"topk_scale must be 'budget' or 'rank', got {self.topk_scale!r}")
         for name in ("gate_temperature", "topk_temperature"):
@@ -449,6 +445,24 @@ def two_stage_conflicts(config: TrainConfig) -> str | None:
     return "; ".join(why) or None
 
 
+def slope_conflicts(config: TrainConfig) -> list[str]:
+    """Why ``config`` cannot learn a budget slope (empty when it can)."""
+    why = []
+    if config.learn not in ("both", "budgets"):
+        why.append(f"budget_slope learns how the budget shares move with the budget: it needs learn "
+                   f"budgets or both, not {config.learn!r}")
+    if any(not isinstance(b, float) for b in config.budgets) or len(set(config.budgets)) < 2:
+        why.append(f"budget_slope needs two or more fraction budgets (e.g. [0.1, 0.2, 0.4]), got {config.budgets}")
+    return why
+
+
+def resolved_slope(config: TrainConfig) -> bool:
+    """Whether ``config`` learns a budget slope: ``budget_slope`` as given, auto where it can."""
+    if config.budget_slope == "auto":
+        return not slope_conflicts(config)
+    return bool(config.budget_slope)
+
+
 def resolved_stages(config: TrainConfig) -> int:
     """How many stages ``config`` trains: ``stages`` one or two as given; auto two from
     :data:`TWO_STAGES_FROM_TOKENS` context tokens on when the recipe allows it, else one."""
@@ -462,7 +476,8 @@ def stage_configs(config: TrainConfig) -> list[TrainConfig]:
     per-layer first stage in ``<output>/first_stage`` and the per-head second stage in
     ``<output>`` that keeps the first stage's layer totals and starts from its route."""
     if resolved_stages(config) == 1:
-        return [replace(config, stages="one")]
+        return [replace(config, stages="one", budget_slope=resolved_slope(config))]
+    config = replace(config, budget_slope=resolved_slope(config))  # each stage's config.yaml says which
     first = replace(config, stages="one", granularity="layer", head_spread=None,
                     output=f"{config.output}/{FIRST_STAGE}")
     second = replace(config, stages="one", layer_totals="fixed", init_route=f"{first.output}/route.json")

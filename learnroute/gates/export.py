@@ -189,8 +189,9 @@ def load_run(source: str | Path) -> tuple[Path, Path, TrainConfig]:
 
 def learned_per_budget(source: str | Path) -> bool:
     """Whether the run of ``source`` learned one allocation per training budget
-    (``budget_slope``): exported at one budget alone, the others would only be rescaled."""
-    return bool(load_run(source)[2].budget_slope)
+    (a budget slope: its checkpoint holds ``beta_slope``): exported at one budget alone, the
+    others would only be rescaled."""
+    return "beta_slope" in load_gates(load_run(source)[0])[0]
 
 
 def export_cli(

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 from learnroute.gates import cotrain
-from learnroute.gates.config import TrainConfig, init_route_file
+from learnroute.gates.config import TrainConfig, init_route_file, resolved_slope
 from learnroute.gates.gates import Gates
 from learnroute.route import Route
 
@@ -76,6 +76,6 @@ def build_gates(config: TrainConfig, n_layers: int, free: list[bool], n_heads: i
         n_heads=n_heads,
         head_spread=config.head_spread,
         layer_totals=config.layer_totals,
-        budget_slope=config.budget_slope,
+        budget_slope=resolved_slope(config),
         ref_budget=config.ref_budget,
     )

@@ -381,7 +381,7 @@ class _Trainer:
         save_gates(run.out / "gates.safetensors", self.gates, self.meta, extra={"step": run.config.steps}, adapter=self.lora)
         chosen = chosen_checkpoint(run.out, run.config.select)
         export_cli(run.out, run.out / "route.json")
-        if run.config.budget_slope:  # each training budget's own allocation, in one file
+        if self.gates.beta_slope is not None:  # a budget slope: each training budget's own allocation, in one file
             export_cli(run.out, run.out / "route_by_budget.json", per_budget=True)
         plot_gates(run.out, chosen, run.config)
         run.log.info("exported %s (from %s, validation CE %s)", run.out / "route.json", chosen.name, self.best)
