@@ -191,8 +191,10 @@ def train(argv: list[str]) -> int:
 
     def done(out: Path | list[Path]) -> str:
         def files(o: Path) -> str:  # a run with a budget slope also wrote each budget's allocation
-            per_budget = "route_by_budget.json (an allocation per budget), " if (o / "route_by_budget.json").is_file() else ""
-            return f"gates in {o}: {per_budget}route.json (hardened at the first budget), pi.png, budgets.png, checkpoints/"
+            slope = (o / "route_by_budget.json").is_file()
+            per_budget = "route_by_budget.json (an allocation per budget), " if slope else ""
+            return (f"gates in {o}: {per_budget}route.json (hardened at the first budget), pi.png, budgets.png, "
+                    "checkpoints/")
 
         return "\n".join(files(o) for o in (out if isinstance(out, list) else [out]))
 

@@ -475,9 +475,9 @@ def stage_configs(config: TrainConfig) -> list[TrainConfig]:
     """The runs ``config`` trains, first to last, each with ``stages: one``: itself, or a
     per-layer first stage in ``<output>/first_stage`` and the per-head second stage in
     ``<output>`` that keeps the first stage's layer totals and starts from its route."""
-    if resolved_stages(config) == 1:
-        return [replace(config, stages="one", budget_slope=resolved_slope(config))]
     config = replace(config, budget_slope=resolved_slope(config))  # each stage's config.yaml says which
+    if resolved_stages(config) == 1:
+        return [replace(config, stages="one")]
     first = replace(config, stages="one", granularity="layer", head_spread=None,
                     output=f"{config.output}/{FIRST_STAGE}")
     second = replace(config, stages="one", layer_totals="fixed", init_route=f"{first.output}/route.json")
