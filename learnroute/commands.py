@@ -223,8 +223,8 @@ def _seed_list(text: str) -> list[int]:
 
 def export(argv: list[str]) -> int:
     """Write the route of a trained gates run (or one of its checkpoints) as a route file."""
-    from learnroute.budget_routes import load_route_file
-    from learnroute.gates.export import export_cli, export_start, learned_per_budget
+    from learnroute.budget_routes import BudgetRoutes, load_route_file
+    from learnroute.gates.export import export_cli, export_start
 
     parser = argparse.ArgumentParser(prog="learnroute export", description=export.__doc__)
     parser.add_argument("source", help="train run folder, or a gates checkpoint (.safetensors) inside one")
@@ -243,22 +243,21 @@ def export(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.start and (args.mixture or args.temperature is not None):
         parser.error("--start writes the hardened untrained start: --mixture and --temperature do not apply")
-    per_budget = False
     try:
         if args.start:
             route = export_start(args.source, args.out, budget=args.budget, model=args.model)
         else:
-            # A run with a budget slope learned one allocation per training budget: all of them,
-            # unless one budget (or the mixture) is asked for.
-            per_budget = args.per_budget or (not (args.mixture or args.budget) and learned_per_budget(args.source))
+            # A run with a budget slope learned one allocation per training budget: all of them
+            # ("auto"), unless one budget (or the mixture) is asked for.
             route = export_cli(args.source, args.out, budget=args.budget, mixture=args.mixture,
-                               temperature=args.temperature, model=args.model, per_budget=per_budget)
+                               temperature=args.temperature, model=args.model,
+                               per_budget=True if args.per_budget else "auto")
+        written = load_route_file(args.out)
     except (ConfigError, RouteError, FileNotFoundError, ValueError) as e:
         parser.exit(2, f"learnroute export: error: {e}\n")
-    if per_budget:
-        held = load_route_file(args.out)
-        print(f"wrote {args.out}: one allocation per training budget {held.budgets} (a budget-conditional route; "
-              f"--budget B writes one route), at {held.budgets[0]}: {route.describe()}", file=sys.stderr)
+    if isinstance(written, BudgetRoutes):
+        print(f"wrote {args.out}: one allocation per training budget {written.budgets} (a budget-conditional route; "
+              f"--budget B writes one route), at {written.budgets[0]}: {route.describe()}", file=sys.stderr)
     else:
         print(f"wrote {args.out}: {route.describe()}", file=sys.stderr)
     return 0

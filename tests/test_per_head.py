@@ -300,6 +300,8 @@ def test_adakv_route_files_and_bench_specs():
     route = Route.adakv("snapkv", 4, 0.2)
     back = Route.from_dict(route.to_dict())
     assert back.layers == route.layers and back.describe() == "adakv:snapkv@0.2"
+    # a fraction hardened in float32 reads back as 0.07500000298023224; the label shows 0.075
+    assert Route.adakv("snapkv", 4, float(torch.tensor(0.075))).describe() == "adakv:snapkv@0.075"
     assert route.to_dict()["layers"][0] == {"layer": 0, "method": "snapkv", "budget": 0.2, "share": "adakv"}
     with pytest.raises(RouteError, match="share 'nope' is not one of adakv"):
         Route.from_dict({"layers": [{"method": "snapkv", "budget": 8, "share": "nope"}]})

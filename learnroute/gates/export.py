@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import yaml
@@ -187,13 +187,6 @@ def load_run(source: str | Path) -> tuple[Path, Path, TrainConfig]:
     return ckpt or chosen_checkpoint(run, config.select), run, config
 
 
-def learned_per_budget(source: str | Path) -> bool:
-    """Whether the run of ``source`` learned one allocation per training budget
-    (a budget slope: its checkpoint holds ``beta_slope``): exported at one budget alone, the
-    others would only be rescaled."""
-    return "beta_slope" in load_gates(load_run(source)[0])[0]
-
-
 def export_cli(
     source: str | Path,
     out: str | Path,
@@ -202,12 +195,14 @@ def export_cli(
     mixture: bool = False,
     temperature: float | None = None,
     model: str | None = None,
-    per_budget: bool = False,
+    per_budget: bool | Literal["auto"] = False,
 ) -> Route:
     """Load the run's config and checkpoint, check them against each other, write the route.
     ``per_budget``: a budget-conditional route file instead (:mod:`learnroute.budget_routes`),
     the hardened allocation at each training budget (a ``budget_slope`` run's own per
-    budget); the route at the first of them is returned."""
+    budget); the route at the first of them is returned. ``"auto"``: that file when the run
+    learned a budget slope (its checkpoint holds ``beta_slope``: exported at one budget alone,
+    the others would only be rescaled) and neither ``budget`` nor ``mixture`` is asked for."""
     ckpt, run, config = load_run(source)
     b = None if budget is None else parse_budget(budget)
     if temperature is not None and not temperature > 0:
@@ -219,6 +214,8 @@ def export_cli(
         raise ConfigError(
             f"checkpoint gates have shape {tuple(tensors['theta'].shape)}, expected ({units}, {len(config.methods)})"
         )
+    if per_budget == "auto":
+        per_budget = "beta_slope" in tensors and b is None and not mixture
     if per_budget:
         from learnroute.budget_routes import BudgetRoutes
 

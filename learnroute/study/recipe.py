@@ -125,7 +125,7 @@ class _Stages:
     def export(self, variants: dict[str, dict[str, Any]]) -> Path:
         """3. Every variant's route (and mixture route) into ``routes/``: cheap, always
         rewritten from the checkpoints (rank 0). Returns the folder."""
-        from learnroute.gates.export import export_cli, export_start, learned_per_budget
+        from learnroute.gates.export import export_cli, export_start
 
         routes = self.out / "routes"
         if self.first:
@@ -136,7 +136,7 @@ class _Stages:
             for name, data in variants.items():
                 run = Path(data["output"])
                 # a budget_slope variant learned an allocation per budget: all of them, in one file
-                export_cli(run, routes / f"{route_name(name)}.json", per_budget=learned_per_budget(run))
+                export_cli(run, routes / f"{route_name(name)}.json", per_budget="auto")
                 if name in self.config.mixture_of:
                     export_cli(run, routes / f"{route_name(name)}_mixture.json", mixture=True)
                 if is_warm(data) and name not in seeded:  # the control: the variant untrained (once)
