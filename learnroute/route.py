@@ -489,9 +489,9 @@ class Route:
     def describe(self) -> str:
         """A short human label, e.g. ``snapkv@128`` or ``mixed[snapkv:12,tova:18]``."""
         counts = self.method_counts()
-        # 6 significant digits: hardened fractions come from float32 arithmetic (0.075 reads
-        # back as 0.07500000298023224), which is noise in a label.
-        budgets = {f"{b:.6g}" if isinstance(b, float) else str(b) for b in self.budgets}
+        # 6 decimals: hardened fractions come from float32 arithmetic (0.075 reads back as
+        # 0.07500000298023224), which is noise in a label.
+        budgets = {str(round(b, 6)) if isinstance(b, float) else str(b) for b in self.budgets}
         b = budgets.pop() if len(budgets) == 1 else "var"
         if self.is_mixture:
             return f"mixture[{len(counts)} argmax methods]@{b}"
