@@ -61,7 +61,7 @@ def main() -> None:
             masks = gates.soft_masks(item.ranks, fraction * item.n_tokens, temperature=0.2, tau=0.01)
             loss, _ = answer_loss(model, item, masks, eps=1e-6)
             if gates.beta_slope is not None:  # the recipe's slope_weight (1.0) penalty, as train.py adds it
-                loss = loss + SLOPE_WEIGHT * gates.beta_slope.pow(2).mean()
+                loss = loss + SLOPE_WEIGHT * gates.slope_penalty()
             loss.backward()
             opt.step()
             return time.perf_counter() - t0

@@ -293,6 +293,13 @@ class Gates(nn.Module):
         L = shares.shape[0]
         return (torch.log(torch.tensor(1.0 / L)) - torch.log(shares.clamp_min(1e-30))).mean()
 
+    def slope_penalty(self) -> torch.Tensor:
+        """mean(beta'^2) over every unit, the ``slope_weight`` term: 0 at the one shape rescaled
+        to every budget. Only for gates with a budget slope."""
+        if self.beta_slope is None:
+            raise ValueError("these gates learn no budget slope (budget_slope off): there is no slope to penalise")
+        return self.beta_slope.pow(2).mean()  # scalar, over (L·H,)
+
     def entropy(self, temperature: float = 1.0) -> torch.Tensor:
         """Mean entropy of π over the free layers (nats); the sharpening term's value."""
         logp = torch.log_softmax(self.theta / temperature, dim=-1)  # (L·H, M)

@@ -320,7 +320,7 @@ class _Trainer:
             if config.uniform_weight > 0 and self.gates.beta.requires_grad:
                 loss = loss + config.uniform_weight * self.gates.share_divergence()
             if config.slope_weight > 0 and self.gates.beta_slope is not None and self.gates.beta_slope.requires_grad:
-                loss = loss + config.slope_weight * self.gates.beta_slope.pow(2).mean()
+                loss = loss + config.slope_weight * self.gates.slope_penalty()
             (loss / len(batch)).backward()
             loss_sum += loss.detach()
             ce_sum += ce
