@@ -253,6 +253,23 @@ def resolve_routes(config: BenchConfig, n_layers: int, model: str) -> list[Cell]
     return unique
 
 
+def mode_mismatches(cells: list[Cell], query_aware: bool) -> list[str]:
+    """One line per learned route file trained in the other prompt mode than this bench runs.
+
+    A route trained query-agnostic and run query-aware dropped with more cache on the
+    four out-of-family families (docs/results.md, "Every budget"); trained query-aware it held.
+    Routes without a training config (homogeneous, profile, hand-written) are not named."""
+    mode = {True: "query-aware", False: "query-agnostic"}
+    lines, seen = [], set()
+    for c in cells:
+        trained = (c.route.provenance.get("train_config") or {}).get("query_aware")
+        if isinstance(trained, bool) and trained != query_aware and c.name not in seen:
+            seen.add(c.name)
+            lines.append(f"{c.name} was trained {mode[trained]} and is benched {mode[query_aware]}; to deploy it "
+                         f"{mode[query_aware]}, train with query_aware={str(query_aware).lower()}")
+    return lines
+
+
 # ---------------------------------------------------------------------------- the run
 
 
@@ -278,6 +295,9 @@ def run_bench(config: BenchConfig, overwrite: bool = False, *, prefills=None) ->
         model.to(state.device)  # this rank's GPU
     name = model_name(model)
     cells = resolve_routes(config, len(_hf.attention_modules(model)), name)
+    if state.is_main_process:
+        for line in mode_mismatches(cells, config.query_aware):
+            print(f"note: {line}", file=sys.stderr)
     samples = load_tasks(config.tasks, tokenizer, config.context_tokens, "eval", config.seed, config.longbench_dir)
     if state.is_main_process:
         existing = {r["id"] for r in read_jsonl(out / "samples.jsonl")}

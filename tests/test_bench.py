@@ -13,7 +13,7 @@ import yaml
 from transformers import AutoConfig, AutoTokenizer
 
 import learnroute as lr
-from learnroute.bench import BenchConfig, run_bench
+from learnroute.bench import BenchConfig, mode_mismatches, resolve_routes, run_bench
 from learnroute.runs import read_jsonl
 from learnroute.cli import main
 from learnroute.config import ConfigError, load_config
@@ -547,3 +547,21 @@ def test_a_bench_resumed_with_a_route_added_runs_only_its_cells(tiny_dir, tmp_pa
     assert {r["route"] for r in after[len(before):]} == {"adakv:snapkv"} and len(after) - len(before) == 3 * 2
     with pytest.raises(ConfigError, match="differs in: routes"):
         run_bench(config_for(tiny_dir, out, routes=json.dumps(["full"])))
+
+
+def test_a_route_trained_in_the_other_prompt_mode_is_named(tiny_dir, tmp_path, capsys):
+    # A learned route keeps its training config in provenance; one trained query-agnostic and
+    # benched query-aware is named (that pairing dropped with more cache in docs/results.md).
+    routes = tmp_path / "routes"
+    for name, aware in (("agnostic", False), ("aware", True)):
+        lr.Route.from_layers(["snapkv"] * 4, [16] * 4, model="tiny", source="learned",
+                             train_config={"query_aware": aware}).to_file(routes / f"{name}.json")
+    lr.Route.homogeneous("tova", 4, 16, model="tiny").to_file(routes / "hand.json")  # no training config
+    run_bench(config_for(tiny_dir, tmp_path / "run", tasks="{niah_single_1: 1}", budgets="[16]",
+                         routes=f"[{routes / '*.json'}]", query_aware="true"))
+    notes = [line for line in capsys.readouterr().err.splitlines() if "was trained" in line]
+    assert notes == [f"note: {routes / 'agnostic.json'} was trained query-agnostic and is benched query-aware; "
+                     "to deploy it query-aware, train with query_aware=true"]
+    cells = resolve_routes(config_for(tiny_dir, tmp_path / "x", routes=f"[{routes / '*.json'}]", budgets="[16]"), 4,
+                           "tiny")
+    assert [line.split(" was")[0] for line in mode_mismatches(cells, False)] == [str(routes / "aware.json")]

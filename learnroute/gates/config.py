@@ -215,7 +215,8 @@ class TrainConfig:
     eval_every: int = field(default=15, metadata={"help": "evaluate the hardened route on validation every N steps"})
     select: Select = field(default="best_val", metadata={"help": "best_val: export the best validated step; last"})
     save_every: int = field(default=50, metadata={"help": "checkpoint every N steps"})
-    query_aware: bool = field(default=False, metadata={"help": "put the question in the prefill (scored)"})
+    query_aware: bool = field(default=False, metadata={
+        "help": "put the question in the compressed prefill; train in the mode the route will run in"})
     dtype: Dtype = field(default="float32", metadata={"help": DTYPE_HELP})
     device: str = field(default="auto", metadata={"help": "auto | cpu | cuda"})
     output: str = field(default="runs/train/default", metadata={"help": "run folder"})
