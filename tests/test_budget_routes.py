@@ -205,3 +205,89 @@ def test_a_budget_slope_run_exports_one_allocation_per_training_budget(tiny_dir,
         assert "one allocation per training budget [0.2, 0.4]" in capsys.readouterr().err
     assert main(["export", str(run), "--out", str(tmp_path / "one.json"), "--budget", "0.2"]) == 0
     assert per_layer(Route.from_file(tmp_path / "one.json")) == pytest.approx(per_layer(low))
+
+
+# ---------------------------------------------------------------------------- per-budget layer totals
+
+
+def test_per_budget_layer_totals_follow_the_budget_by_hand():
+    """Two layers of two heads, floor 0, layer shares 0.75 / 0.25 at 10 % and 0.25 / 0.75 at
+    40 % (mean 10 and 40 tokens of 100): the heads keep 15, 15, 5, 5 and 20, 20, 60, 60. At
+    20 %, half-way in log-budget, the shares are 0.5 / 0.5 (20 each); below 10 % the first
+    row holds. One row per budget is what a first stage with a budget slope hands on."""
+    import torch
+
+    from learnroute.gates.gates import Gates
+
+    kw = dict(n_heads=2, budget_floor=0.0, init_methods=["snapkv"] * 2, layer_totals="fixed",
+              layer_share_table=([0.1, 0.4], [[0.75, 0.25], [0.25, 0.75]]))
+    gates = Gates(["snapkv"], [True, True], **kw)
+    assert gates.budget_dependent and gates.beta_slope is None
+    assert gates.budgets(10.0, 100).tolist() == pytest.approx([15.0, 15.0, 5.0, 5.0], abs=1e-4)
+    assert gates.budgets(40.0, 100).tolist() == pytest.approx([20.0, 20.0, 60.0, 60.0], abs=1e-4)
+    assert gates.budgets(20.0, 100).tolist() == pytest.approx([20.0] * 4, abs=1e-4)
+    assert gates.budgets(5.0, 100).tolist() == pytest.approx([7.5, 7.5, 2.5, 2.5], abs=1e-4)
+    with torch.no_grad():  # the heads still split their layer's total as beta says: 3:1 in layer 0
+        gates.beta.copy_(torch.tensor([math.log(3.0), 0.0, 0.0, 0.0]))
+    assert gates.budgets(40.0, 100).tolist() == pytest.approx([30.0, 10.0, 60.0, 60.0], abs=1e-4)
+    with pytest.raises(ValueError, match="needs layer_totals='fixed'"):
+        Gates(["snapkv"], [True, True], **{**kw, "layer_totals": "learn"})
+    with pytest.raises(ValueError, match=r"budgets must be increasing fractions in \(0, 1\], got \[0.4, 0.1\]"):
+        Gates(["snapkv"], [True, True], **{**kw, "layer_share_table": ([0.4, 0.1], [[0.5, 0.5], [0.5, 0.5]])})
+    with pytest.raises(ValueError, match=r"one row of 2 layer shares per budget \(2 budgets\), got shape \(2, 3\)"):
+        Gates(["snapkv"], [True, True], **{**kw, "layer_share_table": ([0.1, 0.4], [[0.5, 0.5, 0.0]] * 2)})
+
+
+def test_a_second_stage_keeps_each_budgets_own_layer_totals(tiny_dir, tmp_path, capsys):
+    """Two stages with a budget slope: the first stage learns per-layer allocations at 0.2 and
+    0.4 that are shaped differently; the second (per head, layer totals fixed) starts from its
+    route_by_budget.json and keeps, at each budget, that budget's layer totals (not the 0.2
+    shape rescaled to 0.4), through training, the checkpoint and `export` (and its untrained
+    start, `export --start`, is the first stage's allocations split evenly over the heads)."""
+    from learnroute.gates.config import TrainConfig, stage_configs
+    from tests.test_gates import write_config
+
+    over = dict(learn="budgets", init_method="tova", granularity="head", stages="two", budget_slope=True,
+                slope_weight=0.0, budgets=[0.2, 0.4], steps=3, eval_every=3, save_every=3, select="last", lr=0.5)
+    assert main(["train", "--config", str(write_config(tmp_path, tiny_dir, **over))]) == 0
+    run = tmp_path / "run"
+    first = load_route_file(run / "first_stage" / "route_by_budget.json")
+    low = per_layer(first.routes[0])
+    assert per_layer(first.routes[1]) != pytest.approx(per_layer(first.routes[0].rescaled(0.4)), abs=1e-3)
+    again = tmp_path / "again.json"
+    assert main(["export", str(run), "--out", str(again)]) == 0
+    start = tmp_path / "start.json"
+    assert main(["export", str(run), "--out", str(start), "--start"]) == 0
+    for path in (run / "route_by_budget.json", again):
+        second = load_route_file(path)
+        assert isinstance(second, BudgetRoutes) and second.budgets == [0.2, 0.4]
+        for stage1, stage2 in zip(first.routes, second.routes):
+            heads = stage2.head_budgets(stage2.n_heads)  # (L, H)
+            assert [sum(h) / len(h) for h in heads] == pytest.approx(per_layer(stage1), abs=1e-5)
+        assert any(abs(h[0] - h[-1]) > 1e-3 for h in second.routes[1].head_budgets(second.routes[1].n_heads))
+    assert [sum(h) / len(h) for h in Route.from_file(run / "route.json").head_budgets(2)] == pytest.approx(low, abs=1e-5)
+    started = load_route_file(start)
+    assert isinstance(started, BudgetRoutes)
+    for stage1, route in zip(first.routes, started.routes):
+        assert [b for h in route.head_budgets(route.n_heads) for b in h] == pytest.approx(
+            [b for b in per_layer(stage1) for _ in range(route.n_heads)], abs=1e-5)
+    # without a budget slope, the first stage has one shape: the second starts from route.json
+    plain = TrainConfig(context_tokens=4096, budget_slope=False)
+    assert stage_configs(plain)[1].init_route.endswith("first_stage/route.json")
+    assert stage_configs(TrainConfig(context_tokens=4096))[1].init_route.endswith("first_stage/route_by_budget.json")
+
+
+def test_per_budget_layer_totals_outside_the_files_budgets_are_refused(tmp_path):
+    """A budget-conditional init_route with fixed layer totals holds totals only for its own
+    budgets: training at others is refused, naming the file, what it holds and what was asked."""
+    from learnroute.gates.config import TrainConfig
+
+    two = [Route.from_layers(["tova"] * 2, [0.1, 0.3]), Route.from_layers(["tova"] * 2, [0.3, 0.5])]
+    path = BudgetRoutes([0.2, 0.4], two).to_file(tmp_path / "family.json")
+    base = [f"init_route={path}", "granularity=head", "layer_totals=fixed", "learn=budgets"]
+    with pytest.raises(ConfigError, match=rf"init_route {path} holds layer totals for budgets \[0.2, 0.4\]; "
+                                          r"budgets \[0.1, 0.6\] are outside them"):
+        load_config(TrainConfig, None, [*base, "budgets=[0.1,0.2,0.6]"])
+    assert load_config(TrainConfig, None, [*base, "budgets=[0.2,0.3,0.4]"]).init_route == str(path)
+    with pytest.raises(ConfigError, match="is budget-conditional .* learn: none"):
+        load_config(TrainConfig, None, [f"init_route={path}", "learn=none", "adapter=true", "budgets=[0.2]"])

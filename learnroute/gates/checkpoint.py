@@ -47,7 +47,9 @@ def save_gates(
     if gates.beta_slope is not None:  # budget_slope: the shares' slope in log-budget
         tensors["beta_slope"] = gates.beta_slope.detach().cpu().contiguous()
     if gates.layer_shares is not None:  # fixed layer totals: shares() needs them to rebuild the budgets
-        tensors["layer_shares"] = gates.layer_shares.detach().cpu().contiguous()
+        tensors["layer_shares"] = gates.layer_shares.detach().cpu().contiguous()  # (L,), or (B, L) per budget
+    if gates.layer_share_budgets is not None:  # per-budget layer totals: the budgets of their rows (B,)
+        tensors["layer_share_budgets"] = gates.layer_share_budgets.cpu().contiguous()
     if adapter is not None:  # cotrain.AdapterTraining: LoRA weights (and their AdamW state)
         tensors.update(adapter.tensors(optimizer))
     if optimizer is not None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import ClassVar, Literal
 
 from learnroute import adapter as _adapter
+from learnroute.budget_routes import BudgetRoutes, load_route_file
 from learnroute.gates.gates import LAYER_TOTALS, LEARN, MIXING
 from learnroute.gates.topk import RELAXATIONS
 from learnroute.methods.registry import METHODS
@@ -260,11 +261,14 @@ class TrainConfig:
         problems = []
         if (route_file := init_route_file(self)) is not None:
             try:
-                route = Route.from_file(route_file)
+                found = load_route_file(route_file)
             except RouteError as e:
                 seeded = f" ({SEED_FIELD} = {optimisation_seed(self)})" if route_file != self.init_route else ""
                 problems.append(f"init_route{seeded}: {e}")
             else:
+                route = found.routes[0] if isinstance(found, BudgetRoutes) else found
+                if isinstance(found, BudgetRoutes):
+                    problems += self._per_budget_start_problems(route_file, found.budgets)
                 if route.is_per_head and not self.per_head_gates:
                     problems.append(f"init_route {route_file} is a per-head route: with granularity 'layer' "
                                     "gates are per layer (use granularity: head, or a per-layer route)")
@@ -275,6 +279,18 @@ class TrainConfig:
                 if missing and self.init_method is None:  # init_method replaces the route's methods
                     problems.append(f"init_route uses methods {missing} that are not candidates {self.methods}")
         return problems
+
+    def _per_budget_start_problems(self, route_file: str, held: list[float]) -> list[str]:
+        """What a budget-conditional ``init_route`` (allocations at ``held`` budgets) cannot
+        start: fixed gates, or per-budget layer totals asked for budgets outside the file's."""
+        if self.learn == "none":
+            return [f"init_route {route_file} is budget-conditional (budgets {held}): learn: none trains an "
+                    "adapter for one fixed route; give a plain route file"]
+        outside = [b for b in self.budgets if not (isinstance(b, float) and held[0] <= b <= held[-1])]
+        if self.layer_totals == "fixed" and outside:
+            return [f"init_route {route_file} holds layer totals for budgets {held}; budgets {outside} are "
+                    f"outside them: train at fractions in [{held[0]}, {held[-1]}]"]
+        return []
 
     @property
     def ref_budget(self) -> float:
@@ -475,11 +491,15 @@ def resolved_stages(config: TrainConfig) -> int:
 def stage_configs(config: TrainConfig) -> list[TrainConfig]:
     """The runs ``config`` trains, first to last, each with ``stages: one``: itself, or a
     per-layer first stage in ``<output>/first_stage`` and the per-head second stage in
-    ``<output>`` that keeps the first stage's layer totals and starts from its route."""
+    ``<output>`` that keeps the first stage's layer totals and starts from its route (with a
+    budget slope, its route at every training budget: the layer totals per budget)."""
     config = replace(config, budget_slope=resolved_slope(config))  # each stage's config.yaml says which
     if resolved_stages(config) == 1:
         return [replace(config, stages="one")]
     first = replace(config, stages="one", granularity="layer", head_spread=None,
                     output=f"{config.output}/{FIRST_STAGE}")
-    second = replace(config, stages="one", layer_totals="fixed", init_route=f"{first.output}/route.json")
+    # With a budget slope the first stage learned its layer totals per budget: the second keeps
+    # each budget's own (its route_by_budget.json), not the first budget's rescaled to the rest
+    start = "route_by_budget.json" if config.budget_slope else "route.json"
+    second = replace(config, stages="one", layer_totals="fixed", init_route=f"{first.output}/{start}")
     return [first, second]

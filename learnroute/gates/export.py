@@ -21,7 +21,7 @@ from learnroute.config import ConfigError, from_dict, to_dict
 from learnroute.gates import cotrain
 from learnroute.gates.checkpoint import load_gates
 from learnroute.gates.config import TrainConfig
-from learnroute.gates.gates import Gates, unit_shares
+from learnroute.gates.gates import Gates, layer_shares_at, unit_shares
 from learnroute.gates.start import build_gates
 from learnroute.methods.budgets import Budget, unit_weights
 from learnroute.route import LayerRoute, Route, parse_budget
@@ -31,6 +31,18 @@ def gate_heads(meta: dict[str, str]) -> int:
     """Gates per layer of a checkpoint (1 for per-layer gates and checkpoints made before
     per-head gates existed)."""
     return int(meta.get("n_heads", "1"))
+
+
+def checkpoint_share_table(tensors: dict[str, torch.Tensor]) -> tuple[list[float], torch.Tensor] | None:
+    """A checkpoint's per-budget layer totals (budgets (B,), shares (B, L)); None without."""
+    if "layer_share_budgets" not in tensors:
+        return None
+    return tensors["layer_share_budgets"].tolist(), tensors["layer_shares"]
+
+
+def budget_dependent(tensors: dict[str, torch.Tensor]) -> bool:
+    """Whether a checkpoint's allocation depends on the budget (:attr:`Gates.budget_dependent`)."""
+    return "beta_slope" in tensors or "layer_share_budgets" in tensors
 
 
 def gates_from_checkpoint(
@@ -45,7 +57,7 @@ def gates_from_checkpoint(
     gates = Gates(config.methods, free, learn="both", budget_floor=json.loads(meta.get("budget_floor", "0.05")),
                   n_heads=gate_heads(meta), head_spread=json.loads(meta.get("head_spread", "null")),
                   layer_totals=meta.get("layer_totals", "learn"), budget_slope="beta_slope" in tensors,
-                  ref_budget=json.loads(meta.get("ref_budget", "0.1")))
+                  ref_budget=json.loads(meta.get("ref_budget", "0.1")), layer_share_table=checkpoint_share_table(tensors))
     with torch.no_grad():
         gates.theta.copy_(tensors["theta"])
         gates.beta.copy_(tensors["beta"])
@@ -134,7 +146,9 @@ def plot_gates(out: Path, path: Path, config: TrainConfig) -> None:
     plt.close(fig)
     H = gate_heads(meta)
     free = tensors["free"].bool().repeat_interleave(H)  # (L·H,)
-    shares = unit_shares(tensors["beta"], free, H, tensors.get("layer_shares"))  # (L·H,), 0 on fixed units
+    # per-budget layer totals: drawn at the first training budget, as route.json holds them
+    fixed = layer_shares_at(tensors.get("layer_shares"), tensors.get("layer_share_budgets"), float(config.budgets[0]))
+    shares = unit_shares(tensors["beta"], free, H, fixed)  # (L·H,), 0 on fixed units
     floor = config.budget_floor
     # per-unit budget / mean budget (before the context cap), by the gates' own arithmetic:
     # the floor, then the checkpoint's head_spread cap; fixed units drawn at the floor
@@ -215,7 +229,7 @@ def export_cli(
             f"checkpoint gates have shape {tuple(tensors['theta'].shape)}, expected ({units}, {len(config.methods)})"
         )
     if per_budget == "auto":
-        per_budget = "beta_slope" in tensors and b is None and not mixture
+        per_budget = budget_dependent(tensors) and b is None and not mixture
     if per_budget:
         from learnroute.budget_routes import BudgetRoutes
 
@@ -242,17 +256,31 @@ def export_cli(
 def export_start(source: str | Path, out: str | Path, *, budget: str | None = None, model: str | None = None) -> Route:
     """The untrained start of a train run: its initial gates (:func:`learnroute.gates.start.build_gates`),
     hardened and exported exactly as its trained route is (at ``budget``, default the first
-    training budget; no adapter). Bench it beside the trained route: a gain is credited to
+    training budget; no adapter; with per-budget layer totals and no ``budget``, a
+    budget-conditional file of every training budget's start). Bench it beside the trained route: a gain is credited to
     learning only over it."""
     ckpt, run, config = load_run(source)
     b = config.budgets[0] if budget is None else parse_budget(budget)
     tensors, meta = load_gates(ckpt, model=model, methods=config.methods)
     n_layers = int(meta["n_layers"])
     gates = build_gates(config, n_layers, [bool(x) for x in tensors["free"].tolist()], gate_heads(meta))
-    route = gates.harden(b, config.context_tokens, model=meta["model"])
-    prov = {**route.provenance, "source": "start", "start_of": str(run), "budget": b,
-            "train_config": to_dict(config)}
-    route = replace(route, provenance=prov)
+
+    def start_at(x: Budget) -> Route:
+        route = gates.harden(x, config.context_tokens, model=meta["model"])
+        prov = {**route.provenance, "source": "start", "start_of": str(run), "budget": x,
+                "train_config": to_dict(config)}
+        return replace(route, provenance=prov)
+
+    if budget is None and gates.layer_share_budgets is not None:
+        # per-budget layer totals (a second stage): the start differs by budget, not by rescaling
+        from learnroute.budget_routes import BudgetRoutes
+
+        held = sorted({x for x in config.budgets if isinstance(x, float)})
+        routes = [start_at(x) for x in held]
+        BudgetRoutes(held, routes, source=f"route file {out}", provenance={"source": "start", "start_of": str(run)}
+                     ).to_file(out)
+        return routes[0]
+    route = start_at(b)
     route.to_file(out)
     return route
 

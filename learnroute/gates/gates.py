@@ -22,6 +22,9 @@ per-head route (:meth:`learnroute.route.LayerRoute.per_head`). The same relaxati
 floors, caps and rounding: only the number of units changes. With ``layer_totals="fixed"``
 each layer's share of the budget stays at its start (a buffer ``layer_shares`` (L,)) and β
 learns only how the layer splits it over its heads: ``share_u = s_l · softmax_h(β_l)``.
+A ``layer_share_table`` makes those layer shares a function of the budget: a row (L,) per
+budget (a two-stage run's first stage, which learned its layer totals per budget),
+interpolated linearly in log-budget between rows and held constant beyond the first and last.
 """
 
 from __future__ import annotations
@@ -42,6 +45,23 @@ MIXING = ("score", "mask")
 LEARN = ("both", "methods", "budgets", "none")  # none: frozen gates (a fixed route; an adapter trains)
 
 
+def layer_shares_at(
+    layer_shares: torch.Tensor | None, budgets: torch.Tensor | None, fraction: float
+) -> torch.Tensor | None:
+    """Fixed layer shares (L,) at mean kept ``fraction``: ``layer_shares`` itself when it is
+    one row (L,), else its rows (B, L) at ``budgets`` (B,) interpolated linearly in
+    log-budget, the first or last row beyond them (None: learned layer totals)."""
+    if layer_shares is None or layer_shares.dim() == 1:
+        return layer_shares
+    logs = [math.log(b) for b in budgets.tolist()]
+    if len(logs) == 1:
+        return layer_shares[0]
+    x = min(max(math.log(fraction), logs[0]), logs[-1])
+    i = max(j for j in range(len(logs) - 1) if logs[j] <= x)  # the row at or below x
+    w = (x - logs[i]) / (logs[i + 1] - logs[i])
+    return (1 - w) * layer_shares[i] + w * layer_shares[i + 1]  # (L,), sums to 1 as both rows do
+
+
 def unit_shares(
     beta: torch.Tensor, free_units: torch.Tensor, n_heads: int, layer_shares: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -56,6 +76,24 @@ def unit_shares(
     free_layer = free_units.view(-1, n_heads)[:, 0]  # (L,): a layer's heads are all free or all fixed
     within = torch.softmax(per_layer.masked_fill(~free_layer[:, None], 0.0), dim=1)  # (L, H), fixed rows unused
     return (within * layer_shares.to(within)[:, None]).reshape(-1)  # (L·H,); layer_shares is 0 on fixed layers
+
+
+def share_table(
+    table: tuple[list[float], torch.Tensor | list[list[float]]], free: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checked per-budget layer shares: budgets (B,) float64 and shares (B, L), each row
+    normalised over the ``free`` layers (L,) (zero on the others)."""
+    held, rows = table
+    L = free.shape[0]
+    shares = torch.as_tensor(rows, dtype=torch.float32)  # (B, L)
+    if shares.dim() != 2 or shares.shape != (len(held), L):
+        raise ValueError(f"layer_share_table needs one row of {L} layer shares per budget "
+                         f"({len(held)} budgets), got shape {tuple(shares.shape)}")
+    if any(not 0 < b <= 1 for b in held) or any(b >= c for b, c in zip(held, held[1:])):
+        raise ValueError(f"layer_share_table's budgets must be increasing fractions in (0, 1], got {held}")
+    shares = shares.clamp_min(0) * free.to(shares)[None, :]  # (B, L): no share on fixed layers
+    # the budgets exact (float64), as the config gives them: the rows are looked up at those budgets
+    return torch.tensor(held, dtype=torch.float64), shares / shares.sum(1, keepdim=True).clamp_min(1e-12)
 
 
 class Gates(nn.Module):
@@ -84,6 +122,7 @@ class Gates(nn.Module):
         layer_totals: str = "learn",
         budget_slope: bool = False,
         ref_budget: float = 0.1,
+        layer_share_table: tuple[list[float], torch.Tensor | list[list[float]]] | None = None,
     ) -> None:
         super().__init__()
         if learn not in LEARN:
@@ -132,8 +171,13 @@ class Gates(nn.Module):
         # gets its own allocation (issue 58)
         self.ref_log = math.log(ref_budget)
         self.beta_slope = nn.Parameter(torch.zeros(U), requires_grad=self.beta.requires_grad) if budget_slope else None
-        self.register_buffer("layer_shares", None)  # (L,) with fixed layer totals
-        if layer_totals == "fixed":
+        self.register_buffer("layer_shares", None)  # (L,), or (B, L) per budget, with fixed layer totals
+        self.register_buffer("layer_share_budgets", None)  # (B,) float64: the budgets of layer_shares' rows
+        if layer_share_table is not None and layer_totals != "fixed":
+            raise ValueError("layer_share_table gives fixed layer totals per budget: it needs layer_totals='fixed'")
+        if layer_share_table is not None:
+            self.layer_share_budgets, self.layer_shares = share_table(layer_share_table, self.free)
+        elif layer_totals == "fixed":
             # each free layer's share at the start, the sum of its heads' (uniform without init_shares)
             start = unit_shares(beta, self.free_units, H).view(L, H).sum(1)  # (L, H) -> (L,)
             self.layer_shares = start / start.sum().clamp_min(1e-12)
@@ -141,6 +185,12 @@ class Gates(nn.Module):
     @property
     def n_layers(self) -> int:
         return self.theta.shape[0] // self.n_heads
+
+    @property
+    def budget_dependent(self) -> bool:
+        """Whether the allocation depends on the budget (a budget slope, or fixed layer totals
+        per budget), so that each budget must be hardened on its own, not rescaled."""
+        return self.beta_slope is not None or self.layer_share_budgets is not None
 
     # ------------------------------------------------------------------ mixtures and budgets
 
@@ -168,11 +218,14 @@ class Gates(nn.Module):
 
     def shares(self, fraction: float | None = None) -> torch.Tensor:
         """Budget shares (L·H,) over the free units (zero on fixed ones), summing to 1; with
-        ``budget_slope``, those for mean kept ``fraction`` (None: the reference budget)."""
+        ``budget_slope`` or per-budget layer totals, those for mean kept ``fraction`` (None:
+        the reference budget)."""
         logits = self.beta
         if self.beta_slope is not None and fraction is not None:
             logits = self.beta + (math.log(fraction) - self.ref_log) * self.beta_slope  # (L·H,)
-        return unit_shares(logits, self.free_units, self.n_heads, self.layer_shares)
+        at = math.exp(self.ref_log) if fraction is None else fraction
+        return unit_shares(logits, self.free_units, self.n_heads,
+                           layer_shares_at(self.layer_shares, self.layer_share_budgets, at))
 
     def trainable(self) -> list[nn.Parameter]:
         """The parameters that train (theta, beta, beta_slope as ``learn`` says)."""

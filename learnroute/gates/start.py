@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+from learnroute.budget_routes import BudgetRoutes, load_route_file
 from learnroute.gates import cotrain
 from learnroute.gates.config import TrainConfig, init_route_file, resolved_slope
 from learnroute.gates.gates import Gates
@@ -19,10 +20,19 @@ def init_from(
     """Initial methods and budget shares from ``init_route`` / ``init_method`` (both: the
     route's budget shape with ``init_method`` everywhere), per layer, or per (layer, KV
     head) for a per-head route and ``n_heads`` > 1 gates. The shape is read over the
-    ``free`` layers (those routes compress; default all)."""
+    ``free`` layers (those routes compress; default all). A budget-conditional
+    ``init_route`` starts from its allocation at its first budget (see :func:`layer_share_table`)."""
     if config.init_route is None:
         return ([config.init_method] * n_layers if config.init_method is not None else None), None
-    route = Route.from_file(init_route_file(config))
+    found = load_route_file(init_route_file(config))
+    route = found.routes[0] if isinstance(found, BudgetRoutes) else found
+    return route_shape(route, config, n_layers, free, n_heads)
+
+
+def route_shape(
+    route: Route, config: TrainConfig, n_layers: int, free: list[bool] | None = None, n_heads: int = 1
+) -> tuple[list[str], list[float] | None]:
+    """:func:`init_from` for one route: its methods and the budget shares that reproduce its budgets."""
     route.check_layers(n_layers, "the model")
     free = [True] * n_layers if free is None else free
     if route.is_per_head and n_heads > 1:  # one unit per (layer, head): the gates' own layout
@@ -47,6 +57,30 @@ def init_from(
     if config.init_method is not None:
         methods = [config.init_method] * len(methods)
     return methods, shares
+
+
+def layer_share_table(
+    config: TrainConfig, n_layers: int, free: list[bool], n_heads: int
+) -> tuple[list[float], list[list[float]]] | None:
+    """Per-budget layer totals for ``layer_totals: fixed`` from a budget-conditional
+    ``init_route`` (a two-stage run's first stage, ``route_by_budget.json``): each held
+    budget's layer shares (L,), so that the second stage keeps every budget's own layer
+    totals and not the first budget's rescaled. None for a plain route file (one row: the
+    gates' own ``layer_shares``) or learned layer totals."""
+    if config.layer_totals != "fixed" or config.init_route is None:
+        return None
+    found = load_route_file(init_route_file(config))
+    if not isinstance(found, BudgetRoutes):
+        return None
+    rows = []
+    for route in found.routes:
+        _, shares = route_shape(route, config, n_layers, free, n_heads)
+        if shares is None:  # equal budgets at this budget: every free layer alike
+            shares = [1.0 if f else 0.0 for f in free]
+        if len(shares) != n_layers:  # per (layer, head): a layer's share is its heads' sum
+            shares = [sum(shares[l * n_heads:(l + 1) * n_heads]) for l in range(n_layers)]
+        rows.append(shares)
+    return list(found.budgets), rows
 
 
 def initial_logit(config: TrainConfig) -> float:
@@ -78,4 +112,5 @@ def build_gates(config: TrainConfig, n_layers: int, free: list[bool], n_heads: i
         layer_totals=config.layer_totals,
         budget_slope=resolved_slope(config),
         ref_budget=config.ref_budget,
+        layer_share_table=layer_share_table(config, n_layers, free, n_heads),
     )

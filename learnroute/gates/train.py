@@ -114,7 +114,7 @@ def validation_routes(gates: Gates, config: TrainConfig, model: str | None = Non
     first training budget (:meth:`Gates.harden`, what ``route.json`` holds), then rescaled
     to each budget as ``bench`` rescales a route file (:meth:`Route.rescaled`)."""
     free = gates.free.tolist()
-    if gates.beta_slope is not None:  # a budget-conditional route: each budget's own allocation
+    if gates.budget_dependent:  # a budget-conditional route: each budget's own allocation
         return {b: gates.harden(b, config.context_tokens, model=model) for b in config.budgets}
     exported = gates.harden(config.budgets[0], config.context_tokens, model=model)
     return {b: exported.rescaled(b, free) for b in config.budgets}
@@ -381,7 +381,7 @@ class _Trainer:
         save_gates(run.out / "gates.safetensors", self.gates, self.meta, extra={"step": run.config.steps}, adapter=self.lora)
         chosen = chosen_checkpoint(run.out, run.config.select)
         export_cli(run.out, run.out / "route.json")
-        if self.gates.beta_slope is not None:  # a budget slope: each training budget's own allocation, in one file
+        if self.gates.budget_dependent:  # a budget slope or per-budget layer totals: each budget's own allocation
             export_cli(run.out, run.out / "route_by_budget.json", per_budget=True)
         plot_gates(run.out, chosen, run.config)
         run.log.info("exported %s (from %s, validation CE %s)", run.out / "route.json", chosen.name, self.best)
