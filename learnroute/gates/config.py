@@ -107,7 +107,7 @@ class TrainConfig:
         default="auto",
         metadata={"help": "one | two | auto. two: first per-layer budgets (into <output>/first_stage), then "
                           "per-head budgets that keep its layer totals (layer_totals fixed, starting from its "
-                          "route); needs granularity head, learn budgets or both, no init_route. auto: two "
+                          "route; with budget_slope, its route at each budget: each budget's own totals); needs granularity head, learn budgets or both, no init_route. auto: two "
                           f"from context_tokens >= {TWO_STAGES_FROM_TOKENS} where the recipe allows, else one"},
     )
     steps: int = field(default=150, metadata={"help": "optimiser steps"})
@@ -176,7 +176,8 @@ class TrainConfig:
     layer_totals: LayerTotals = field(
         default="learn",
         metadata={"help": "granularity head: learn | fixed. fixed keeps each layer's share of the budget at its "
-                          "start (init_route's budget shape, else uniform) and learns only how the layer splits "
+                          "start (init_route's budget shape, else uniform; a budget-conditional init_route gives "
+                          "each of its budgets' own) and learns only how the layer splits "
                           "it over its KV heads (a head at the context cap hands its excess to its own layer's heads; "
                           "the route is written with layer_totals fixed and bench rescales it layers first)"},
     )
