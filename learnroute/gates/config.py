@@ -107,7 +107,8 @@ class TrainConfig:
         default="auto",
         metadata={"help": "one | two | auto. two: first per-layer budgets (into <output>/first_stage), then "
                           "per-head budgets that keep its layer totals (layer_totals fixed, starting from its "
-                          "route; with budget_slope, its route at each budget: each budget's own totals); needs granularity head, learn budgets or both, no init_route. auto: two "
+                          "route; with budget_slope, its route at each budget: each budget's own totals); "
+                          "needs granularity head, learn budgets or both, no init_route. auto: two "
                           f"from context_tokens >= {TWO_STAGES_FROM_TOKENS} where the recipe allows, else one"},
     )
     steps: int = field(default=150, metadata={"help": "optimiser steps"})

@@ -57,7 +57,8 @@ def gates_from_checkpoint(
     gates = Gates(config.methods, free, learn="both", budget_floor=json.loads(meta.get("budget_floor", "0.05")),
                   n_heads=gate_heads(meta), head_spread=json.loads(meta.get("head_spread", "null")),
                   layer_totals=meta.get("layer_totals", "learn"), budget_slope="beta_slope" in tensors,
-                  ref_budget=json.loads(meta.get("ref_budget", "0.1")), layer_share_table=checkpoint_share_table(tensors))
+                  ref_budget=json.loads(meta.get("ref_budget", "0.1")),
+                  layer_share_table=checkpoint_share_table(tensors))
     with torch.no_grad():
         gates.theta.copy_(tensors["theta"])
         gates.beta.copy_(tensors["beta"])
@@ -257,8 +258,8 @@ def export_start(source: str | Path, out: str | Path, *, budget: str | None = No
     """The untrained start of a train run: its initial gates (:func:`learnroute.gates.start.build_gates`),
     hardened and exported exactly as its trained route is (at ``budget``, default the first
     training budget; no adapter; with per-budget layer totals and no ``budget``, a
-    budget-conditional file of every training budget's start). Bench it beside the trained route: a gain is credited to
-    learning only over it."""
+    budget-conditional file of every training budget's start). Bench it beside the trained
+    route: a gain is credited to learning only over it."""
     ckpt, run, config = load_run(source)
     b = config.budgets[0] if budget is None else parse_budget(budget)
     tensors, meta = load_gates(ckpt, model=model, methods=config.methods)

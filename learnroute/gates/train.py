@@ -381,7 +381,7 @@ class _Trainer:
         save_gates(run.out / "gates.safetensors", self.gates, self.meta, extra={"step": run.config.steps}, adapter=self.lora)
         chosen = chosen_checkpoint(run.out, run.config.select)
         export_cli(run.out, run.out / "route.json")
-        if self.gates.budget_dependent:  # a budget slope or per-budget layer totals: each budget's own allocation
+        if self.gates.budget_dependent:  # a slope or per-budget layer totals: each budget's own allocation
             export_cli(run.out, run.out / "route_by_budget.json", per_budget=True)
         plot_gates(run.out, chosen, run.config)
         run.log.info("exported %s (from %s, validation CE %s)", run.out / "route.json", chosen.name, self.best)
