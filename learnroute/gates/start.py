@@ -14,17 +14,24 @@ from learnroute.gates.gates import Gates
 from learnroute.route import Route
 
 
+def start_file(config: TrainConfig) -> Route | BudgetRoutes | None:
+    """The ``init_route`` file, read (``{seed}`` resolved; None without one)."""
+    return None if config.init_route is None else load_route_file(init_route_file(config))
+
+
 def init_from(
-    config: TrainConfig, n_layers: int, free: list[bool] | None = None, n_heads: int = 1
+    config: TrainConfig, n_layers: int, free: list[bool] | None = None, n_heads: int = 1,
+    found: Route | BudgetRoutes | None = None,
 ) -> tuple[list[str] | None, list[float] | None]:
     """Initial methods and budget shares from ``init_route`` / ``init_method`` (both: the
     route's budget shape with ``init_method`` everywhere), per layer, or per (layer, KV
     head) for a per-head route and ``n_heads`` > 1 gates. The shape is read over the
     ``free`` layers (those routes compress; default all). A budget-conditional
-    ``init_route`` starts from its allocation at its first budget (see :func:`layer_share_table`)."""
+    ``init_route`` starts from its allocation at its first budget (see :func:`layer_share_table`).
+    ``found``: the file already read (:func:`start_file`), else it is read here."""
     if config.init_route is None:
         return ([config.init_method] * n_layers if config.init_method is not None else None), None
-    found = load_route_file(init_route_file(config))
+    found = start_file(config) if found is None else found
     route = found.routes[0] if isinstance(found, BudgetRoutes) else found
     return route_shape(route, config, n_layers, free, n_heads)
 
@@ -60,17 +67,14 @@ def route_shape(
 
 
 def layer_share_table(
-    config: TrainConfig, n_layers: int, free: list[bool], n_heads: int
+    found: Route | BudgetRoutes | None, config: TrainConfig, n_layers: int, free: list[bool], n_heads: int
 ) -> tuple[list[float], list[list[float]]] | None:
     """Per-budget layer totals for ``layer_totals: fixed`` from a budget-conditional
-    ``init_route`` (a two-stage run's first stage, ``route_by_budget.json``): each held
-    budget's layer shares (L,), so that the second stage keeps every budget's own layer
-    totals and not the first budget's rescaled. None for a plain route file (one row: the
+    ``init_route``, read as ``found`` (:func:`start_file`; a two-stage run's first stage's
+    ``route_by_budget.json``): each held budget's layer shares (L,), so that the second
+    stage keeps every budget's own layer totals and not the first budget's rescaled. None for a plain route file (one row: the
     gates' own ``layer_shares``) or learned layer totals."""
-    if config.layer_totals != "fixed" or config.init_route is None:
-        return None
-    found = load_route_file(init_route_file(config))
-    if not isinstance(found, BudgetRoutes):
+    if config.layer_totals != "fixed" or not isinstance(found, BudgetRoutes):
         return None
     rows = []
     for route in found.routes:
@@ -98,7 +102,8 @@ def build_gates(config: TrainConfig, n_layers: int, free: list[bool], n_heads: i
     per (layer, KV head) when ``n_heads`` > 1 (``granularity: head``)."""
     if config.learn == "none":
         return cotrain.build_fixed_gates(config, None, n_layers, free)
-    methods, shares = init_from(config, n_layers, free, n_heads)
+    found = start_file(config)  # read once: the start's shape and, per budget, its layer totals
+    methods, shares = init_from(config, n_layers, free, n_heads, found)
     return Gates(
         config.methods,
         free,
@@ -112,5 +117,5 @@ def build_gates(config: TrainConfig, n_layers: int, free: list[bool], n_heads: i
         layer_totals=config.layer_totals,
         budget_slope=resolved_slope(config),
         ref_budget=config.ref_budget,
-        layer_share_table=layer_share_table(config, n_layers, free, n_heads),
+        layer_share_table=layer_share_table(found, config, n_layers, free, n_heads),
     )
